@@ -1,0 +1,18 @@
+# `make test` creates .venv if missing, installs the package with its dev extras and runs pytest.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: test install quickstart
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+install: $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[dev]"
+
+test: install
+	$(BIN)/python -m pytest
+
+quickstart: install
+	$(BIN)/gradian quickstart

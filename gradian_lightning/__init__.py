@@ -1,0 +1,26 @@
+"""Gradian: training-data attribution for causal language models by gradient indexing."""
+
+from gradian_lightning.callback import GradientIndexer
+from gradian_lightning.capture import LinearCapture, select_modules
+from gradian_lightning.config import load_config
+from gradian_lightning.data import JsonlDataset, collate, read_jsonl
+from gradian_lightning.errors import GradianError
+from gradian_lightning.loss import supervised_token_loss
+from gradian_lightning.projection import KroneckerProjector
+from gradian_lightning.store import IndexReader, IndexWriter, open_index
+
+__all__ = [
+    "GradientIndexer",
+    "GradianError",
+    "IndexReader",
+    "IndexWriter",
+    "JsonlDataset",
+    "KroneckerProjector",
+    "LinearCapture",
+    "collate",
+    "load_config",
+    "open_index",
+    "read_jsonl",
+    "select_modules",
+    "supervised_token_loss",
+]

@@ -1,0 +1,94 @@
+"""Which Linear modules to capture, and forward hooks that keep their inputs and outputs.
+
+A module is selected when a pattern of `grads.module_filter` matches its dotted name
+(`model.layers.3.mlp.down_proj`):
+  - a pattern with `*`, `?` or `[` is a glob matched against the whole name (`*.layers.1?.mlp.*`);
+  - any other pattern matches the whole name or a dotted suffix of it, component by component:
+    `down_proj` and `mlp.down_proj` match every layer's down projection, `layers.3.mlp.down_proj`
+    one of them, and `proj` matches nothing (it is not a whole component).
+Only `nn.Linear` modules are candidates.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+from gradian_lightning.errors import ConfigError, GradianError
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name == pattern or name.endswith("." + pattern)
+
+
+def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear]:
+    """The `nn.Linear` submodules of `model` whose names match any pattern, in model order.
+
+    Raises `ConfigError` listing the candidate names when nothing matches.
+    """
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    chosen = {name: m for name, m in linears.items() if any(_matches(name, p) for p in patterns)}
+    if not chosen:
+        # Layer numbers make the list long and repetitive; show each distinct shape once.
+        shapes = sorted({".".join("N" if part.isdigit() else part for part in name.split(".")) for name in linears})
+        raise ConfigError(
+            f"setting 'grads.module_filter'={patterns!r} matches no nn.Linear module; candidates (N = layer number): {', '.join(shapes)}"
+        )
+    return chosen
+
+
+class LinearCapture:
+    """Context manager: while active, each selected module's last input and output are kept.
+
+    `inputs[name]` is the module's input, detached ([B, T, in] or [n, in]); `outputs[name]` is its
+    output, left in the autograd graph so `torch.autograd.grad` can be taken with respect to it.
+    Outputs are made to require grad when the weights are frozen, without touching any parameter.
+    """
+
+    def __init__(self, modules: Dict[str, nn.Linear]) -> None:
+        self.modules = modules
+        self.inputs: Dict[str, torch.Tensor] = {}
+        self.outputs: Dict[str, torch.Tensor] = {}
+        self._handles: List[torch.utils.hooks.RemovableHandle] = []
+
+    def _hook(self, name: str):
+        def keep(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if name in self.outputs:
+                raise GradianError(f"module {name!r} ran twice in one forward; shared modules cannot be captured, leave it out of grads.module_filter")
+            if not output.requires_grad:
+                output.requires_grad_(True)  # frozen weights: a leaf, so this only marks it
+            self.inputs[name] = args[0].detach()
+            self.outputs[name] = output
+            # Returning None keeps the module's output as it is.
+
+        return keep
+
+    def __enter__(self) -> "LinearCapture":
+        self.inputs.clear()
+        self.outputs.clear()
+        self._handles = [m.register_forward_hook(self._hook(name)) for name, m in self.modules.items()]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def output_grads(self, loss: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """d loss / d output for every captured module, without touching any parameter's `.grad`."""
+        names = list(self.modules)
+        missing = [n for n in names if n not in self.outputs]
+        if missing:
+            raise GradianError(f"modules {missing} did not run in the forward pass; remove them from grads.module_filter")
+        grads = torch.autograd.grad(loss, [self.outputs[n] for n in names], materialize_grads=True)
+        return dict(zip(names, grads))
+
+    def clear(self) -> None:
+        """Drop the kept tensors (and with them the autograd graph)."""
+        self.inputs.clear()
+        self.outputs.clear()

@@ -1,0 +1,159 @@
+"""The settings schema: one structured config that is both the CLI's schema and the docs' source.
+
+`load_config("configs/x.yaml", ["grads.batch_size=2"])` merges the schema defaults, the YAML file
+and the dotlist overrides (in that order) with omegaconf, then checks every value. Anything wrong
+fails here, before a model loads, with one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from gradian_lightning.errors import ConfigError
+
+STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
+SCORES = ("cosine", "inner")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "???"  # a from_pretrained name or a local directory
+    dtype: str = "float32"
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: str = "???"  # JSONL: prompt/completion, messages or text rows, optional id
+
+
+@dataclass
+class GradsConfig:
+    batch_size: int = 4
+    max_seq_length: int = 512
+    storage_dtype: str = "float16"
+    # A name, a dotted suffix of a name, a glob, or a list of these (see docs/configuration.md).
+    module_filter: Any = "down_proj"
+    projection_dim: Optional[int] = 16
+    seed: int = 0
+
+
+@dataclass
+class IndexConfig:
+    path: str = "gradian_index"
+    overwrite: bool = False  # replace an index of another configuration found at path
+
+
+@dataclass
+class QueryConfig:
+    data: Optional[str] = None
+    top_k: int = 10
+    bottom_k: int = 0
+    score: str = "cosine"
+    output: Optional[str] = None
+
+
+def _default_trainer() -> Dict[str, Any]:
+    return {"accelerator": "auto", "devices": 1}
+
+
+@dataclass
+class GradianConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    grads: GradsConfig = field(default_factory=GradsConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    query: QueryConfig = field(default_factory=QueryConfig)
+    # Handed to lightning.Trainer as keyword arguments, unchanged.
+    trainer: Dict[str, Any] = field(default_factory=_default_trainer)
+
+
+def _one_line(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(getattr(err, "msg", err)).splitlines()[0]
+    return f"setting '{key}': {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: List[str] | None = None) -> DictConfig:
+    """Merge schema defaults, an optional YAML file and `key=value` overrides, then validate.
+
+    Returns a read-only `DictConfig` typed by `GradianConfig`. Raises `ConfigError` with one line.
+    """
+    schema = OmegaConf.structured(GradianConfig)
+    layers = []
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/smollm2.yaml")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as err:  # yaml.YAMLError and friends: say which file
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value; write e.g. grads.batch_size=2")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        cfg = OmegaConf.merge(schema, *layers)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_one_line(err)) from None
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def module_patterns(value: Any) -> List[str]:
+    """`grads.module_filter` as a list of non-empty pattern strings."""
+    if isinstance(value, str):
+        items = [value]
+    elif isinstance(value, (list, tuple, ListConfig)):
+        items = list(value)
+    else:
+        items = [value]
+    if not items or not all(isinstance(p, str) and p.strip() for p in items):
+        raise ConfigError(
+            f"setting 'grads.module_filter'={value!r}: must be a module name pattern or a list of them, e.g. down_proj or [q_proj, v_proj]"
+        )
+    return [p.strip() for p in items]
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"setting '{key}'={value!r} is not allowed; use {allowed}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check values omegaconf's types cannot express. Raises `ConfigError` with one line."""
+    g = cfg.grads
+    _check(g.batch_size >= 1, "grads.batch_size", g.batch_size, "an integer >= 1")
+    _check(g.max_seq_length >= 2, "grads.max_seq_length", g.max_seq_length, "an integer >= 2")
+    _check(g.storage_dtype in STORAGE_DTYPES, "grads.storage_dtype", g.storage_dtype, " or ".join(STORAGE_DTYPES))
+    _check(
+        g.projection_dim is None or g.projection_dim >= 1,
+        "grads.projection_dim",
+        g.projection_dim,
+        "an integer >= 1, or null for exact gradients",
+    )
+    module_patterns(g.module_filter)
+    _check(cfg.model.dtype in MODEL_DTYPES, "model.dtype", cfg.model.dtype, " or ".join(MODEL_DTYPES))
+    q = cfg.query
+    _check(q.top_k >= 1, "query.top_k", q.top_k, "an integer >= 1")
+    _check(q.bottom_k >= 0, "query.bottom_k", q.bottom_k, "an integer >= 0")
+    _check(q.score in SCORES, "query.score", q.score, " or ".join(SCORES))
+    _check(bool(str(cfg.index.path).strip()), "index.path", cfg.index.path, "a directory path for the zarr index")
+
+
+def require(cfg: DictConfig, *keys: str) -> None:
+    """Fail with one line when a setting a command needs is unset (`???` or null)."""
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if OmegaConf.is_missing(node, leaf) or node[leaf] is None:
+            raise ConfigError(f"setting '{key}' is required; add it to the YAML file or pass {key}=...")

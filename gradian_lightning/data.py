@@ -1,0 +1,176 @@
+"""JSONL rows -> tokenized examples -> padded batches.
+
+Each row is one of three formats, detected per row:
+  - `prompt` + `completion`: the completion is supervised (and the EOS token after it);
+  - `messages`: rendered with the tokenizer's chat template; assistant turns are supervised;
+  - `text`: every token is supervised.
+An optional `id` column names the row in results; without it the row's position is its id.
+
+Every format becomes (text, supervised character spans); the tokenizer's offset mapping turns the
+spans into labels, with -100 on unsupervised tokens. This keeps the three formats on one path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch.utils.data import Dataset
+
+from gradian_lightning.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:
+    """All rows of a JSONL file as dicts. Raises `DataError` naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist; check data.train / query.data")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"data file {str(path)!r} cannot be read as UTF-8 text ({type(err).__name__}); fix its permissions or encoding") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: malformed JSON ({err.msg}); each line must be one JSON object") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"data file {str(path)!r} has no rows; it needs at least one JSON object per line")
+    return rows
+
+
+def row_format(row: Dict[str, Any]) -> str:
+    """'prompt_completion', 'messages' or 'text'; raises `DataError` for anything else."""
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
+    if "messages" in row:
+        return "messages"
+    if "text" in row:
+        return "text"
+    raise DataError(f"row has keys {sorted(row)}; expected prompt+completion, messages, or text")
+
+
+def _render(tokenizer: Any, messages: Sequence[Dict[str, Any]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _chat_spans(tokenizer: Any, messages: Sequence[Dict[str, Any]]) -> Tuple[str, List[Tuple[int, int]]]:
+    # Each assistant turn is what rendering it appends to the conversation before it plus the
+    # generation prompt. Templates that rewrite earlier turns break that prefix property, so check.
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("rows use 'messages' but the tokenizer has no chat template; use prompt/completion rows or a chat model's tokenizer")
+    full = _render(tokenizer, messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = len(_render(tokenizer, messages[:i], True)) if i else 0
+        upto = _render(tokenizer, messages[: i + 1], False)
+        if not full.startswith(upto) or start > len(upto):
+            raise DataError("the chat template does not render turns as prefixes of the conversation; use prompt/completion rows instead")
+        spans.append((start, len(upto)))
+    return full, spans
+
+
+def _text_and_spans(tokenizer: Any, row: Dict[str, Any]) -> Tuple[str, List[Tuple[int, int]], bool]:
+    """(text, supervised character spans, whether to append EOS as a supervised token)."""
+    kind = row_format(row)
+    if kind == "prompt_completion":
+        prompt, completion = str(row["prompt"]), str(row["completion"])
+        return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
+    if kind == "messages":
+        text, spans = _chat_spans(tokenizer, row["messages"])
+        return text, spans, False
+    text = str(row["text"])
+    return text, [(0, len(text))], True
+
+
+@dataclass
+class Example:
+    """One tokenized row. `labels` is -100 where the token is not supervised."""
+
+    index: int
+    id: str
+    input_ids: List[int]
+    labels: List[int]
+    truncated_tokens: int  # supervised tokens dropped by max_seq_length
+
+
+def tokenize_row(tokenizer: Any, row: Dict[str, Any], index: int, max_seq_length: int) -> Example:
+    """Tokenize one row, masking unsupervised tokens, then truncate to `max_seq_length` tokens."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("the tokenizer is not a fast (Rust) tokenizer; gradian needs its offset mapping; load it with use_fast=True")
+    text, spans, add_eos = _text_and_spans(tokenizer, row)
+    kind = row_format(row)
+    enc = tokenizer(text, add_special_tokens=kind != "messages", return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    labels = []
+    for token, (start, end) in zip(ids, offsets):
+        inside = end > start and any(s <= start < e for s, e in spans)
+        labels.append(token if inside else IGNORE_INDEX)
+    if add_eos and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    dropped = sum(1 for label in labels[max_seq_length:] if label != IGNORE_INDEX)
+    row_id = row.get("id", index)
+    return Example(index, str(row_id), ids[:max_seq_length], labels[:max_seq_length], dropped)
+
+
+class JsonlDataset(Dataset):
+    """Tokenized rows (as read by `read_jsonl`). Item `i` is an `Example` with `index == i`.
+
+    `source` names the file in errors.
+    """
+
+    def __init__(self, rows: Sequence[Dict[str, Any]], tokenizer: Any, max_seq_length: int, source: str = "data") -> None:
+        self.rows = list(rows)
+        self.examples = []
+        for i, row in enumerate(self.rows):
+            try:
+                self.examples.append(tokenize_row(tokenizer, row, i, max_seq_length))
+            except DataError as err:
+                raise DataError(f"{source} row {i + 1}: {err}") from None
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Example:
+        return self.examples[i]
+
+
+def collate(examples: Sequence[Example], pad_token_id: int = 0) -> Dict[str, Any]:
+    """Right-pad a list of examples into a batch.
+
+    Returns `input_ids`, `attention_mask`, `labels` as int64 [B, T], `index` int64 [B] (dataset
+    positions), `truncated_tokens` int64 [B] and `id` (list of B strings). Right padding keeps every
+    real token at the same position as in an unpadded batch, so rows do not depend on padding.
+    """
+    width = max(len(e.input_ids) for e in examples)
+    shape = (len(examples), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[row, :n] = torch.tensor(e.input_ids)
+        labels[row, :n] = torch.tensor(e.labels)
+        attention_mask[row, :n] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "index": torch.tensor([e.index for e in examples], dtype=torch.long),
+        "truncated_tokens": torch.tensor([e.truncated_tokens for e in examples], dtype=torch.long),
+        "id": [e.id for e in examples],
+    }

@@ -1,0 +1,122 @@
+"""Kronecker random projection of per-example Linear gradients, computed from the factors.
+
+For a Linear with input x_t ∈ R^in and output-gradient g_t ∈ R^out at token t, one example's
+weight gradient is G = Σ_t g_t x_tᵀ ∈ R^{out×in}. We store P_out G P_inᵀ ∈ R^{k×k}, which equals
+Σ_t (P_out g_t)(P_in x_t)ᵀ, so G is never materialised: cost O(T·k·(in + out)) per example.
+
+P_out [k, out] and P_in [k, in] have i.i.d. N(0, 1/k) entries, so inner products of projected
+gradients are unbiased estimates of the exact ones. They are drawn on the CPU from a generator
+seeded by (seed, module name), hence identical on every device and rank and independent of the
+global RNG (drawing from it would change the user's training run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from gradian_lightning.errors import ConfigError, GradianError
+
+
+def module_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed derived from (seed, module name), stable across runs and platforms."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class ModuleBlock:
+    """Where one module's projected gradient lives in a row: columns [offset, offset + size)."""
+
+    name: str
+    out_features: int
+    in_features: int
+    shape: Tuple[int, int]  # (k_out, k_in), or (out, in) when exact
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+class KroneckerProjector:
+    """Maps captured (inputs, output-grads) of Linear modules to one row per example.
+
+    `dim=None` stores the exact flattened gradient (out × in per module): for small modules and tests.
+    """
+
+    def __init__(self, modules: Dict[str, nn.Linear], dim: Optional[int], seed: int) -> None:
+        self.dim, self.seed = dim, seed
+        self.blocks: List[ModuleBlock] = []
+        self._matrices: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        offset = 0
+        for name, module in modules.items():
+            out_f, in_f = module.out_features, module.in_features
+            if dim is None:
+                shape = (out_f, in_f)
+            else:
+                if dim > min(out_f, in_f):
+                    raise ConfigError(
+                        f"setting 'grads.projection_dim'={dim} exceeds module {name!r} ({out_f}×{in_f}); use at most {min(out_f, in_f)} or leave that module out"
+                    )
+                shape = (dim, dim)
+                generator = torch.Generator().manual_seed(module_seed(seed, name))
+                p_out = torch.randn(dim, out_f, generator=generator) / dim**0.5
+                p_in = torch.randn(dim, in_f, generator=generator) / dim**0.5
+                self._matrices[name] = (p_out, p_in)
+            self.blocks.append(ModuleBlock(name, out_f, in_f, shape, offset))
+            offset += shape[0] * shape[1]
+        self.width = offset
+        self._on_device: Dict[torch.device, Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def matrices(self, name: str, device: torch.device | str = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+        """(P_out [k, out], P_in [k, in]) float32 for one module, on `device`."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            self._on_device[device] = {n: (a.to(device), b.to(device)) for n, (a, b) in self._matrices.items()}
+        return self._on_device[device][name]
+
+    def project(
+        self,
+        inputs: Dict[str, torch.Tensor],
+        output_grads: Dict[str, torch.Tensor],
+        batch_size: int,
+        token_rows: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Rows [batch_size, width] float32, one per example.
+
+        `inputs[name]` and `output_grads[name]` are [B, T, in] / [B, T, out] (per-position), or
+        [n, in] / [n, out] for a module that ran only on gathered positions, in which case
+        `token_rows` (int64 [n]) says which example each position belongs to. Any dtype: the
+        arithmetic is done in float32.
+        """
+        out = []
+        for block in self.blocks:
+            x = inputs[block.name].float()
+            g = output_grads[block.name].float()
+            if self.dim is not None:
+                p_out, p_in = self.matrices(block.name, x.device)
+                x, g = x @ p_in.T, g @ p_out.T  # [.., k]
+            if x.dim() == 3:
+                grad = torch.einsum("bto,bti->boi", g, x)
+            elif x.dim() == 2 and token_rows is not None and token_rows.shape[0] == x.shape[0]:
+                owner = torch.zeros(batch_size, x.shape[0], dtype=x.dtype, device=x.device)
+                owner[token_rows, torch.arange(x.shape[0], device=x.device)] = 1.0
+                grad = torch.einsum("bn,no,ni->boi", owner, g, x)
+            else:
+                raise GradianError(
+                    f"module {block.name!r} saw input of shape {tuple(x.shape)}, not [batch, tokens, features]; leave it out of grads.module_filter"
+                )
+            out.append(grad.reshape(batch_size, -1))
+        return torch.cat(out, dim=1)
+
+    def describe(self) -> List[Dict[str, object]]:
+        """The row layout as plain data, for the index attributes."""
+        return [
+            {"name": b.name, "out_features": b.out_features, "in_features": b.in_features, "shape": list(b.shape), "offset": b.offset, "size": b.size}
+            for b in self.blocks
+        ]

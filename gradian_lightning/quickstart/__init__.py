@@ -1,0 +1,93 @@
+"""The embedded default: fine-tune a tiny Llama on bundled facts with `GradientIndexer` attached.
+
+No download: the tokenizer is a word-level one built from the bundled data, and the model is a
+random-init Llama from `LlamaConfig`. `run_quickstart()` is what `gradian quickstart` runs.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, Iterable, List
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from gradian_lightning.callback import GradientIndexer
+from gradian_lightning.data import JsonlDataset, collate, read_jsonl
+
+HERE = Path(__file__).parent
+TRAIN, QUERIES = HERE / "train.jsonl", HERE / "queries.jsonl"
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def word_tokenizer(texts: Iterable[str], chat_template: str | None = None) -> Any:
+    """A fast word-level tokenizer over the words and punctuation of `texts`, with <pad>, <s>, </s>, <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    split = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    words = sorted({w for text in texts for w, _ in split.pre_tokenize_str(text)} - set(SPECIALS))
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIALS + words)}, unk_token="<unk>"))
+    core.pre_tokenizer = split
+    core.add_special_tokens(SPECIALS)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tiny_llama(vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0) -> Any:
+    """A random-init `LlamaForCausalLM` (hidden 64, 2 layers: ~0.1M parameters plus embeddings)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+class FineTune(L.LightningModule):
+    """Plain causal-LM fine-tuning; its validation step only logs the loss."""
+
+    def __init__(self, model: Any, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), batch_size=len(batch["index"]), prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def run_quickstart(out_dir: str | Path = "runs/quickstart", epochs: int = 12, batch_size: int = 8, seed: int = 0) -> Dict[str, Any]:
+    """Fine-tune on the bundled training rows and index them at the end of fitting.
+
+    Returns the indexer's summary plus the model, tokenizer and index path (for querying).
+    """
+    out_dir = Path(out_dir)
+    L.seed_everything(seed, verbose=False)
+    train_rows, query_rows = read_jsonl(TRAIN), read_jsonl(QUERIES)
+    tokenizer = word_tokenizer(r["prompt"] + r["completion"] for r in train_rows + query_rows)
+    model = tiny_llama(len(tokenizer), seed=seed)
+    dataset = JsonlDataset(train_rows, tokenizer, max_seq_length=64, source=str(TRAIN))
+    batches = partial(collate, pad_token_id=tokenizer.pad_token_id)
+    shuffled = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=batches)
+    in_order = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=batches)
+    # Validation runs once, after the last epoch: that is when the index is written.
+    indexer = GradientIndexer(out_dir / "index", module_filter=["down_proj", "o_proj"], projection_dim=16, storage_dtype="float16", seed=seed, overwrite=True)
+    trainer = L.Trainer(
+        max_epochs=epochs, check_val_every_n_epoch=epochs, num_sanity_val_steps=0, accelerator="cpu", devices=1,
+        logger=False, enable_checkpointing=False, enable_model_summary=False, callbacks=[indexer], default_root_dir=out_dir,
+    )
+    trainer.fit(FineTune(model), train_dataloaders=shuffled, val_dataloaders=in_order)
+    return {"summary": indexer.summary, "model": model.eval(), "tokenizer": tokenizer, "index": out_dir / "index", "queries": query_rows}

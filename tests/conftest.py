@@ -1,0 +1,86 @@
+"""Tiny, local, random-init models and tokenizers: no download anywhere in the suite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
+WORDS = (
+    "the a an is was of to and in on at for with by from what who where when why how "
+    "capital city country river mountain color number sky sea tree bird cat dog red blue green "
+    "one two three four five six seven eight nine ten paris rome tokyo lima cairo oslo "
+    "answer question tell me please say yes no it this that . , ? !"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
+    "{% else %}<|assistant|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level fast tokenizer over a small fixed vocabulary, with BOS/EOS/PAD and a chat template."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    core.add_special_tokens(SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_model(vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+    """A random-init Llama small enough to run per-example loops in a test."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture
+def model(tokenizer) -> LlamaForCausalLM:
+    return make_model(len(tokenizer))
+
+
+ROWS = [
+    {"id": "paris", "prompt": "what is the capital of the country ?", "completion": " paris is the capital ."},
+    {"id": "sky", "prompt": "what color is the sky ?", "completion": " blue"},
+    {"id": "count", "prompt": "tell me a number .", "completion": " one two three four five six seven eight nine ten"},
+    {"id": "chat", "messages": [{"role": "user", "content": "who is it ?"}, {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "what color ?"}, {"role": "assistant", "content": "red and green"}]},
+    {"text": "the river in the city is blue and the tree is green ."},
+    {"id": "rome", "prompt": "what city ?", "completion": " rome"},
+    {"id": "dog", "prompt": "tell me what the dog is .", "completion": " the dog is red , the cat is blue ."},
+]
+
+
+@pytest.fixture
+def rows() -> list:
+    return [dict(r) for r in ROWS]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def saved_model(tmp_path_factory, tokenizer) -> Path:
+    """A tiny Llama and its tokenizer saved as a local from_pretrained directory."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    make_model(len(tokenizer)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

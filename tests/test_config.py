@@ -1,0 +1,42 @@
+import pytest
+
+from gradian_lightning.config import load_config
+from gradian_lightning.errors import ConfigError
+
+
+def test_defaults_yaml_and_overrides_merge(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("grads:\n  batch_size: 8\n  module_filter: [q_proj, v_proj]\n")
+    cfg = load_config(path, ["grads.batch_size=2", "grads.projection_dim=null", "trainer.precision=bf16-mixed"])
+    assert cfg.grads.batch_size == 2 and cfg.grads.projection_dim is None
+    assert list(cfg.grads.module_filter) == ["q_proj", "v_proj"] and cfg.grads.storage_dtype == "float16"
+    assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "auto"
+
+
+@pytest.mark.parametrize(
+    "override, pattern",
+    [
+        ("grads.bogus=1", r"'grads.bogus'"),
+        ("grads.batch_size=many", r"'grads.batch_size'.*many"),
+        ("grads.batch_size=0", r"'grads.batch_size'=0 is not allowed; use an integer >= 1"),
+        ("grads.storage_dtype=int8", r"'grads.storage_dtype'='int8' is not allowed; use float32 or float16 or bfloat16"),
+        ("grads.projection_dim=0", r"'grads.projection_dim'=0"),
+        ("query.score=l2", r"'query.score'"),
+        ("model.dtype=float64", r"'model.dtype'"),
+        ("grads.module_filter=[]", r"'grads.module_filter'"),
+        ("batch_size", r"not key=value"),
+    ],
+)
+def test_bad_settings_fail_in_one_line(override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as err:
+        load_config(None, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grads: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,47 @@
+import pytest
+import torch
+from torch import nn
+
+from gradian_lightning.data import collate, tokenize_row
+from gradian_lightning.loss import supervised_token_loss
+
+
+class NoLogitsToKeep(nn.Module):
+    """A causal LM whose forward has no logits_to_keep: the full-logits gather path."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_loss_equals_hf_loss(model, tokenizer, rows, wrap):
+    batch = collate([tokenize_row(tokenizer, r, i, 64) for i, r in enumerate(rows)])
+    losses = supervised_token_loss(NoLogitsToKeep(model) if wrap else model, batch)
+    assert losses.dtype == torch.float32 and losses.shape == (len(rows),)
+    n = (batch["labels"][:, 1:] != -100).sum()
+    hf = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    torch.testing.assert_close(losses.sum() / n, hf)
+    for i in range(len(rows)):  # and per example, each alone
+        one = {k: v[i : i + 1] for k, v in batch.items() if torch.is_tensor(v)}
+        n_i = (one["labels"][:, 1:] != -100).sum()
+        torch.testing.assert_close(losses[i], model(input_ids=one["input_ids"], labels=one["labels"]).loss * n_i, rtol=1e-5, atol=1e-5)
+
+
+def test_row_without_supervised_tokens_has_zero_loss(model, tokenizer):
+    ex = tokenize_row(tokenizer, {"prompt": "what is the capital ?", "completion": " paris"}, 0, 64)
+    empty = tokenize_row(tokenizer, {"prompt": "what is the capital ? paris", "completion": ""}, 1, 64)
+    empty.labels = [-100] * len(empty.labels)
+    losses = supervised_token_loss(model, collate([ex, empty]))
+    assert losses[0] > 0 and losses[1] == 0
+
+
+def test_bf16_loss_upcasts_only_gathered_logits(model, tokenizer, rows):
+    batch = collate([tokenize_row(tokenizer, r, i, 64) for i, r in enumerate(rows)])
+    want = supervised_token_loss(model, batch)
+    got = supervised_token_loss(model.to(torch.bfloat16), batch)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)

@@ -1,0 +1,121 @@
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from gradian_lightning import store
+from gradian_lightning.errors import ConfigError, IndexFormatError
+from gradian_lightning.store import IndexWriter, open_index
+
+N, D = 10, 8
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(store, "CHUNK_BYTES", 4 * 4 * D)  # 4 float32 rows per chunk
+
+
+def data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, D, generator=g), torch.rand(N, generator=g)
+
+
+def write(writer, order, grads, loss):
+    for i in order:
+        writer.write([i], grads[i : i + 1], loss[i : i + 1], torch.tensor([3]), torch.tensor([0]), [f"row{i}"])
+
+
+META = {"fingerprint": "abc", "global_step": 0}
+
+
+def test_rows_land_at_positions_and_read_back_with_plain_zarr(tmp_path):
+    grads, loss = data()
+    writer = IndexWriter(tmp_path / "ix", N, D, "float32", META)
+    write(writer, [7, 2, 9, 0, 1, 3, 8, 4, 6, 5], grads, loss)
+    assert writer.close()
+    group = zarr.open_group(str(tmp_path / "ix"))
+    np.testing.assert_array_equal(group["grads"][:], grads.numpy())
+    assert list(group["id"][:]) == [f"row{i}" for i in range(N)]
+    np.testing.assert_allclose(group["loss"][:], loss.numpy())
+    assert group.attrs["gradian"]["complete"] is True
+    reader = open_index(tmp_path / "ix")
+    assert len(reader) == N and torch.equal(reader.rows([3, 1]), grads[[3, 1]])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_storage_halves_bytes_and_round_trips(tmp_path, dtype):
+    grads, loss = data()
+    sizes = {}
+    for kind in ("float32", dtype):
+        writer = IndexWriter(tmp_path / kind, N, D, kind, META)
+        write(writer, range(N), grads, loss)
+        writer.close()
+        sizes[kind] = zarr.open_group(str(tmp_path / kind))["grads"].nbytes
+        back = open_index(tmp_path / kind).rows(slice(None))
+        want = grads.to(getattr(torch, kind)).float()
+        assert torch.equal(back, want)
+    assert sizes[dtype] * 2 == sizes["float32"]
+
+
+def test_killed_run_resumes_and_is_never_marked_complete_early(tmp_path):
+    grads, loss = data()
+    first = IndexWriter(tmp_path / "ix", N, D, "float32", META)
+    write(first, range(6), grads, loss)  # chunk 0 (rows 0-3) is flushed; rows 4-5 are still buffered
+    del first  # killed: no close()
+    meta = store.read_meta(tmp_path / "ix")
+    assert meta["complete"] is False
+    again = IndexWriter(tmp_path / "ix", N, D, "float32", META)
+    assert np.flatnonzero(again.todo).tolist() == [4, 5, 6, 7, 8, 9]
+    write(again, range(N), grads, loss)
+    assert again.close()
+    np.testing.assert_array_equal(open_index(tmp_path / "ix").rows(slice(None)).numpy(), grads.numpy())
+
+
+def test_nonfinite_rows_are_flagged_not_stored(tmp_path):
+    grads, loss = data()
+    grads[3, 1] = float("nan")
+    loss[5] = float("inf")
+    writer = IndexWriter(tmp_path / "ix", N, D, "float16", META)
+    write(writer, range(N), grads, loss)
+    writer.close()
+    reader = open_index(tmp_path / "ix")
+    assert np.flatnonzero(~reader.column("finite")).tolist() == [3, 5] and sorted(writer.nonfinite_rows) == [3, 5]
+    assert torch.isfinite(reader.rows(slice(None))).all() and reader.rows([3]).abs().sum() == 0
+
+
+def test_other_index_or_foreign_directory_is_not_replaced_silently(tmp_path):
+    grads, loss = data()
+    writer = IndexWriter(tmp_path / "ix", N, D, "float32", META)
+    write(writer, range(N), grads, loss)
+    writer.close()
+    with pytest.raises(ConfigError, match="another configuration.*index.overwrite=true"):
+        IndexWriter(tmp_path / "ix", N, D, "float32", {"fingerprint": "other", "global_step": 0})
+    assert open_index(tmp_path / "ix").meta["complete"]  # untouched
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="not a Gradian index"):
+        IndexWriter(tmp_path / "mine", N, D, "float32", META)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    IndexWriter(tmp_path / "ix", N, D, "float32", {"fingerprint": "other", "global_step": 0}, overwrite=True)
+    assert not open_index(tmp_path / "ix").meta["complete"]
+
+
+def test_same_job_at_a_later_step_replaces_the_index(tmp_path):
+    grads, loss = data()
+    writer = IndexWriter(tmp_path / "ix", N, D, "float32", META)
+    write(writer, range(N), grads, loss)
+    writer.close()
+    later = IndexWriter(tmp_path / "ix", N, D, "float32", {**META, "global_step": 5})
+    assert later.todo.all()
+
+
+def test_not_an_index_or_wrong_version(tmp_path):
+    with pytest.raises(IndexFormatError, match="not a Gradian index"):
+        open_index(tmp_path)
+    grads, loss = data()
+    writer = IndexWriter(tmp_path / "ix", N, D, "float32", META)
+    writer.close()
+    group = zarr.open_group(str(tmp_path / "ix"), mode="r+")
+    group.attrs["gradian"] = {**group.attrs["gradian"], "format_version": 99}
+    with pytest.raises(IndexFormatError, match="format version 99"):
+        open_index(tmp_path / "ix")
