@@ -86,7 +86,7 @@ def load_model(name: str, kind: str, train_rows: List[Dict], query_rows: List[Di
         # The tied embedding/head (28M of 135M parameters) stays frozen: cheaper, and what a
         # brief LoRA-like fine-tune leaves alone too.
         model.get_input_embeddings().weight.requires_grad_(False)
-        notes = fine_tune(model, tokenizer, train_rows, query_rows, epochs=2, lr=2e-4, batch_size=8, log=log)
+        notes = fine_tune(model, tokenizer, train_rows, query_rows, epochs=1, lr=2e-4, batch_size=8, log=log)
         return model.eval(), tokenizer, notes
     if name == "tiny-ft":
         from gradian_lightning.quickstart import tiny_llama, word_tokenizer
@@ -328,31 +328,31 @@ def report(results: List[Dict]) -> str:
             mean = f"{sum(values) / len(values):.3f}" if len(values) == len(results) else "n/a"
             out.append(f"| {label} | " + " | ".join(cells) + f" | {mean} |")
 
+    both = ("cosine", "cosine-modnorm")
     scores = [(s, {"score": s}) for s in SCORES]
-    filters = [(f, {"filter": f}) for f in module_filters(["model.layers.0.x", "model.layers.1.x"])]
-    dims = [(str(d), {"dim": d}) for d in DIMS]
-    storage = [(s, {"storage": s}) for s in STORAGE]
-    for metric in ("r@1", "mrr", "r@10"):
+    filters = [(f"{f} / {s}", {"filter": f, "score": s}) for s in both for f in module_filters(["model.layers.0.x", "model.layers.1.x"])]
+    dims = [(f"{d} / {s}", {"dim": d, "score": s}) for s in both for d in DIMS]
+    storage = [(f"{t} / {s}", {"storage": t, "score": s}) for s in both for t in STORAGE]
+    combos = [(f"{f} / dim {d} / {s}", {"filter": f, "dim": d, "score": s}) for s in both for f in ("down_proj", "mlp", "down_proj-late") for d in (16, 32)]
+    for metric in ("mrr", "r@1", "r@10"):
         table("score (down_proj, dim 16, float16)", scores, metric)
-        table("module_filter (dim 16, float16, cosine)", filters, metric)
-        table("projection_dim (down_proj, float16, cosine)", dims, metric)
-        table("storage_dtype (down_proj, dim 16, cosine)", storage, metric)
-        combos = [(f"{f} / {s}", {"filter": f, "score": s}) for f in ("down_proj", "mlp", "mlp+attn", "all-linear") for s in SCORES]
-        table("module_filter x score (dim 16, float16)", combos, metric)
-        combos = [(f"{f} / dim {d}", {"filter": f, "dim": d}) for f in ("down_proj", "mlp", "mlp+attn") for d in (16, 32, 64)]
-        table("module_filter x dim (float16, cosine)", combos, metric)
+        table("module_filter / score (dim 16, float16)", filters, metric)
+        table("projection_dim / score (down_proj, float16)", dims, metric)
+        table("storage_dtype / score (down_proj, dim 16)", storage, metric)
+        table("module_filter / dim / score (float16)", combos, metric)
     exact = [r for r in results if r["model"] == "tiny-ft"]
     if exact:
-        out.append("\n#### tiny-ft: projection vs exact gradients (float32, cosine, MRR)\n")
-        out.append("| filter | " + " | ".join(f"{r['kind']} dim {d}" for r in exact for d in ("16", "64", "exact")) + " |")
+        out.append("\n#### tiny-ft: projection vs exact gradients (float32, MRR)\n")
+        out.append("| filter / score | " + " | ".join(f"{r['kind']} dim {d}" for r in exact for d in ("16", "64", "exact")) + " |")
         out.append("|---|" + "---|" * (3 * len(exact)))
-        for f in ("down_proj", "mlp", "mlp+attn"):
-            cells = []
-            for r in exact:
-                for d in (16, 64, None):
-                    rec = _pick(r["records"], filter=f, dim=d, storage="float32", score="cosine")
-                    cells.append("n/a" if rec is None else f"{rec['mrr']:.2f}")
-            out.append(f"| {f} | " + " | ".join(cells) + " |")
+        for f in ("down_proj", "mlp", "all-linear"):
+            for score in ("cosine", "cosine-modnorm"):
+                cells = []
+                for r in exact:
+                    for d in (16, 64, None):
+                        rec = _pick(r["records"], filter=f, dim=d, storage="float32", score=score)
+                        cells.append("n/a" if rec is None else f"{rec['mrr']:.2f}")
+                out.append(f"| {f} / {score} | " + " | ".join(cells) + " |")
     out.append("\n#### runs\n")
     out.append("| run | train rows | queries | modules | fine-tune loss train (before→after) | queries (before→after) | gradient s | total s | date | machine |")
     out.append("|---|---|---|---|---|---|---|---|---|---|")
@@ -368,6 +368,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="projection seeds to average over")
     parser.add_argument("--redo", action="store_true", help="recompute results that already exist")
     parser.add_argument("--report", action="store_true", help="only print the tables of the saved results")
     args = parser.parse_args(argv)
@@ -383,7 +384,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 log(f"{path.name}: exists, skipped (--redo recomputes)")
                 continue
             log(f"{kind} / {model_name} ...")
-            result = run_one(kind, model_name, DIMS, SEEDS, log)
+            result = run_one(kind, model_name, DIMS, args.seeds, log)
             path.write_text(json.dumps(result, indent=1) + "\n")
             best = _pick(result["records"], **DEFAULT)
             log(f"{kind} / {model_name}: default r@1 {best['r@1']:.2f} mrr {best['mrr']:.2f}; {result['total_seconds']} s")
