@@ -9,6 +9,7 @@ vocabulary, the parameter bytes and the widths of the selected modules.
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -25,8 +26,7 @@ from gradian_lightning.projection import KroneckerProjector
 FP32_BYTES = 4
 STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # The fp32 logits are not alone at the peak: cross-entropy keeps their log-softmax for backward,
-# and backward makes the gradient of each. benchmarks/oom_table.md measures the peak rise of an
-# indexing step at 2.8-3.1× the fp32 logits on SmolLM2-135M; 3 copies is what "fits" budgets.
+# and backward makes a gradient of each, so three tensors of that size are alive at once.
 LOGIT_PEAK_COPIES = 3
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -76,22 +76,73 @@ def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def model_dtype_bytes(cfg: DictConfig, config: Any) -> int:
-    """Bytes per parameter in the dtype `gradian index` loads the model in."""
+def model_dtype(cfg: DictConfig, config: Any) -> torch.dtype:
+    """The dtype `gradian index` loads the model in."""
     name = cfg.model.dtype
     if name == "auto":
         name = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace("torch.", "")
-    return torch.empty((), dtype=getattr(torch, name)).element_size()
+    return getattr(torch, name)
 
 
-def largest_fitting_batch(counts_desc: Sequence[int], vocab_size: int, weights_bytes: int, memory_bytes: int) -> int:
-    """Largest b whose worst-case batch (the b rows with most supervised tokens) fits in memory.
+def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool) -> int:
+    """Bytes autograd keeps for backward in one forward of `tokens` tokens through `layers` layers."""
+    from transformers import AutoModelForCausalLM
 
-    Budget: weights + LOGIT_PEAK_COPIES × fp32 logits. 0 when not even one row fits.
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = model.to_empty(device="cpu")  # real storage, random values: only sizes matter here
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:  # weights are saved too, but they are not activations
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, min(100, config.vocab_size), (1, tokens))
+    no_logits = torch.zeros(1, tokens, dtype=torch.bool)  # the logits are accounted for separately
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=no_logits, use_cache=False)
+    return sum(saved.values())
+
+
+def activation_bytes_per_token(config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32) -> int:
+    """Bytes of activations kept for backward per token (prompt, completion and padding alike).
+
+    Measured, not modelled: one forward of a 1-layer and a 2-layer copy of the architecture (random
+    weights, full width) under `saved_tensors_hooks`; the difference is one layer's share, scaled to
+    every layer, plus what the 1-layer model keeps outside its layer.
     """
+    one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code)
+    two = _saved_activation_bytes(config, 2, dtype, tokens, trust_remote_code)
+    per_layer = two - one
+    return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
+
+
+def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int) -> int:
+    """Predicted peak of one indexing batch: weights + activations + LOGIT_PEAK_COPIES × fp32 logits.
+
+    `tokens` counts every position of the padded batch (batch × padded length).
+    """
+    return int(weights + tokens * act_per_token + LOGIT_PEAK_COPIES * fp32_logit_bytes(n_supervised, vocab_size))
+
+
+def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: int, weights: int, act_per_token: int, memory_bytes: int) -> int:
+    """Largest b whose worst-case batch fits in `memory_bytes`: the b rows with most supervised
+    tokens (`counts_desc`, sorted descending), padded to the longest row. 0 when one row does not fit."""
+    b = np.arange(1, len(counts_desc) + 1, dtype=np.int64)
     worst = np.cumsum(np.asarray(counts_desc, dtype=np.int64))
-    need = weights_bytes + LOGIT_PEAK_COPIES * worst * vocab_size * FP32_BYTES
-    return int(np.searchsorted(need, memory_bytes, side="right"))
+    need = weights + b * longest * act_per_token + LOGIT_PEAK_COPIES * worst * vocab_size * FP32_BYTES
+    fits = np.flatnonzero(need <= memory_bytes)
+    return int(fits[-1] + 1) if len(fits) else 0
 
 
 def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str, Any]:
@@ -110,12 +161,17 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
     projector = KroneckerProjector(select_modules(model, module_patterns(g.module_filter)), g.projection_dim, g.seed)
-    weights = sum(p.numel() for p in model.parameters()) * model_dtype_bytes(cfg, config)
+    dtype = model_dtype(cfg, config)
+    weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code)
 
     counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
+    lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
     desc = np.sort(counts)[::-1]
     b = min(g.batch_size, len(counts))
-    in_order = max(int(counts[i : i + g.batch_size].sum()) for i in range(0, len(counts), g.batch_size))
+    batches = [slice(i, i + g.batch_size) for i in range(0, len(counts), g.batch_size)]
+    in_order = max(int(counts[s].sum()) for s in batches)
+    worst = fp32_logit_bytes(int(desc[:b].sum()), vocab)
     source = "--device-memory"
     if device_memory is None and str(cfg.trainer.get("accelerator", "auto")) != "cpu":
         found = accelerator_memory()
@@ -132,14 +188,20 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         "truncated_rows": int(sum(e.truncated_tokens > 0 for e in examples)),
         "empty_rows": int((counts == 0).sum()),
         "fp32_logits_bytes": {
-            "worst_case": fp32_logit_bytes(int(desc[:b].sum()), vocab),
+            "worst_case": worst,
             "typical": int(round(b * counts.mean() * vocab * FP32_BYTES)),
             "largest_batch_in_index_order": fp32_logit_bytes(in_order, vocab),
         },
         "weights_bytes": int(weights),
+        "activation_bytes_per_token": act,
         "logit_peak_copies": LOGIT_PEAK_COPIES,
+        "peak_bytes": {
+            "worst_case": peak_bytes(weights, b * int(lengths.max()), act, int(desc[:b].sum()), vocab),
+            "typical": int(round(weights + b * lengths.mean() * act + LOGIT_PEAK_COPIES * b * counts.mean() * vocab * FP32_BYTES)),
+            "largest_batch_in_index_order": max(peak_bytes(weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab) for s in batches),
+        },
         "device_memory": None if device_memory is None else {"bytes": int(device_memory), "source": source},
-        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, vocab, weights, device_memory),
+        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory),
         "index": {
             "modules": len(projector.blocks),
             "width": projector.width,
@@ -160,7 +222,10 @@ def format_plan(plan: Dict[str, Any]) -> str:
         f"    worst case (the {min(plan['batch_size'], n)} rows with most supervised tokens): {human_bytes(f['worst_case'])}",
         f"    typical (batch_size × mean): {human_bytes(f['typical'])}",
         f"    largest batch in gradian index's order: {human_bytes(f['largest_batch_in_index_order'])}",
-        f"  predicted peak, worst case: weights {human_bytes(plan['weights_bytes'])} + {copies} × fp32 logits = {human_bytes(plan['weights_bytes'] + copies * f['worst_case'])}",
+        f"  activations kept for backward: {human_bytes(plan['activation_bytes_per_token'])} per token (prompt and padding included)",
+        f"  predicted peak (weights {human_bytes(plan['weights_bytes'])} + activations + {copies} × fp32 logits): "
+        f"worst case {human_bytes(plan['peak_bytes']['worst_case'])}, typical {human_bytes(plan['peak_bytes']['typical'])}, "
+        f"largest batch in gradian index's order {human_bytes(plan['peak_bytes']['largest_batch_in_index_order'])}",
     ]
     memory = plan["device_memory"]
     if memory is None:

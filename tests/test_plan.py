@@ -15,7 +15,7 @@ from gradian_lightning.data import collate
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.indexing import load_model_and_tokenizer
 from gradian_lightning.loss import supervised_token_loss
-from gradian_lightning.plan import LOGIT_PEAK_COPIES, largest_fitting_batch, make_plan, parse_bytes
+from gradian_lightning.plan import LOGIT_PEAK_COPIES, activation_bytes_per_token, largest_fitting_batch, make_plan, parse_bytes
 
 from conftest import ROWS, make_model, write_jsonl
 
@@ -67,12 +67,30 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
 
 
 def test_largest_fitting_batch_is_the_budget_boundary():
-    counts = [10, 8, 5, 1]
-    per_token = 100 * 4 * LOGIT_PEAK_COPIES
-    assert largest_fitting_batch(counts, 100, 1000, 1000 + 18 * per_token) == 2
-    assert largest_fitting_batch(counts, 100, 1000, 1000 + 18 * per_token - 1) == 1
-    assert largest_fitting_batch(counts, 100, 1000, 999) == 0
-    assert largest_fitting_batch(counts, 100, 0, 10**9) == 4
+    counts, longest, vocab, weights, act = [10, 8, 5, 1], 12, 100, 1000, 7
+    need = lambda b: weights + b * longest * act + LOGIT_PEAK_COPIES * sum(counts[:b]) * vocab * 4  # noqa: E731
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, need(2)) == 2
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, need(2) - 1) == 1
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, need(1) - 1) == 0
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, 10**9) == 4
+
+
+def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
+    """The 1- and 2-layer probe, scaled, against what a 3-layer model saves for 2 rows of 20 tokens."""
+    model = make_model(VOCAB, hidden=64, layers=3)
+    per_token = activation_bytes_per_token(model.config, torch.float32)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(3, len(tokenizer), (2, 20))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=torch.zeros_like(ids, dtype=torch.bool), use_cache=False)
+    assert sum(saved.values()) == pytest.approx(per_token * 40, rel=0.05)
 
 
 def test_parse_bytes():
@@ -97,7 +115,8 @@ def test_plan_cli_prints_the_numbers_without_loading_weights(tmp_path, wide_mode
     plan = json.loads(capsys.readouterr().out)
     weights = sum(p.numel() for p in make_model(VOCAB).parameters()) * 4
     assert plan["weights_bytes"] == weights and plan["device_memory"]["bytes"] == 2**20
-    assert plan["largest_batch_size_that_fits"] == largest_fitting_batch(sorted_counts(wide_model, ROWS), VOCAB, weights, 2**20)
+    counts, longest = sorted_counts(wide_model, ROWS)
+    assert plan["largest_batch_size_that_fits"] == largest_fitting_batch(counts, longest, VOCAB, weights, plan["activation_bytes_per_token"], 2**20)
 
 
 def sorted_counts(model_dir, rows):
@@ -106,4 +125,4 @@ def sorted_counts(model_dir, rows):
     from gradian_lightning.data import JsonlDataset
 
     examples = JsonlDataset(rows, AutoTokenizer.from_pretrained(str(model_dir)), 512).examples
-    return sorted((sum(l != -100 for l in e.labels[1:]) for e in examples), reverse=True)
+    return sorted((sum(l != -100 for l in e.labels[1:]) for e in examples), reverse=True), max(len(e.input_ids) for e in examples)
