@@ -209,7 +209,7 @@ class GradientIndexer(L.Callback):
         return DeviceOutOfMemoryError(
             f"device out of memory indexing rows {int(rows.min())}-{int(rows.max())}: a batch of {int(wanted.sum())} rows "
             f"(grads.batch_size={batch_size}, grads.max_seq_length={max_len if max_len is not None else 'unknown'}, padded length {batch['input_ids'].shape[1]}) "
-            f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {peak} and backward about {LOGIT_PEAK_COPIES}× that; "
+            f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {peak} ({LOGIT_PEAK_COPIES}× that with their log-softmax and gradients, on top of weights and activations; gradian plan predicts the whole peak); "
             "lower grads.batch_size first (the peak is linear in it; it costs only wall time), then grads.max_seq_length (it can cut completions); "
             "grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
         )
