@@ -27,13 +27,11 @@ from pathlib import Path
 CELLS = [(b, 16, s) for s in (64, 256, 496) for b in (1, 2, 4, 8)] + [(4, 256, 256), (4, 496, 16)]
 MiB = 2**20
 
-
 def _rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
-
 
 def measure(model_dir: str, batch_size: int, prompt: int, supervised: int) -> dict:
     """One cell, in this process: bytes of peak rise and the predicted fp32 logit bytes."""
@@ -76,36 +74,55 @@ def measure(model_dir: str, batch_size: int, prompt: int, supervised: int) -> di
         "measured_peak_rise_bytes": (peak - before) * 1024,
     }
 
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=str(Path.home() / ".cache/gradian/smollm2-135m-instruct"))
     parser.add_argument("--out", default="benchmarks/oom_table.md")
+    parser.add_argument("--from-json", help="rebuild the table from a results file instead of measuring")
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # "B,S": run one cell in this process
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(measure(args.model, *map(int, args.cell.split(",")))))
         return
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    results = []
-    for b, p, s in CELLS:
-        done = subprocess.run([sys.executable, __file__, "--model", args.model, "--cell", f"{b},{p},{s}"], env=env, capture_output=True, text=True, check=True)
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        r = results[-1]
-        print(f"b={b} prompt={p} s={s}: predicted {r['predicted_fp32_logits_bytes'] / MiB:.0f} MiB, measured {r['measured_peak_rise_bytes'] / MiB:.0f} MiB", flush=True)
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        results = []
+        for b, p, s in CELLS:
+            done = subprocess.run([sys.executable, __file__, "--model", args.model, "--cell", f"{b},{p},{s}"], env=env, capture_output=True, text=True, check=True)
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            r = results[-1]
+            print(f"b={b} prompt={p} s={s}: predicted {r['predicted_fp32_logits_bytes'] / MiB:.0f} MiB, measured {r['measured_peak_rise_bytes'] / MiB:.0f} MiB", flush=True)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    from gradian_lightning.plan import LOGIT_PEAK_COPIES
+
+    act = plan_activations(args.model)
     lines = [
-        f"Command: `PYTHONPATH=. python benchmarks/oom_table.py` (model {Path(args.model).name}, vocab {results[0]['vocab']}, fp32, CPU)",
+        f"Command: `PYTHONPATH=. python benchmarks/oom_table.py` (model {Path(args.model).name}, vocab {results[0]['vocab']}, fp32, CPU).",
+        f"Plan's prediction above the weights: tokens in the batch × {act / MiB:.2f} MiB of activations + {LOGIT_PEAK_COPIES} × fp32 logits.",
         "",
-        "| batch_size | prompt tokens per row | supervised tokens per row | supervised tokens in batch | fp32 logits (plan), MiB | measured peak rise, MiB | measured / fp32 logits |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch_size | prompt tokens per row | supervised tokens per row | supervised tokens in batch | fp32 logits (plan), MiB | plan: peak above weights, MiB | measured peak rise, MiB | measured / plan |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        pred, meas = r["predicted_fp32_logits_bytes"], r["measured_peak_rise_bytes"]
-        lines.append(f"| {r['batch_size']} | {r['prompt_tokens']} | {r['supervised_per_row']} | {r['n_supervised']} | {pred / MiB:.0f} | {meas / MiB:.0f} | {meas / pred:.2f} |")
+        tokens = r["batch_size"] * (r["prompt_tokens"] + r["supervised_per_row"] + 1)
+        logits, meas = r["predicted_fp32_logits_bytes"], r["measured_peak_rise_bytes"]
+        predicted = tokens * act + LOGIT_PEAK_COPIES * logits
+        lines.append(
+            f"| {r['batch_size']} | {r['prompt_tokens']} | {r['supervised_per_row']} | {r['n_supervised']} | {logits / MiB:.0f} | {predicted / MiB:.0f} | {meas / MiB:.0f} | {meas / predicted:.2f} |"
+        )
     Path(args.out).write_text("\n".join(lines) + "\n")
-    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n".join(lines))
 
+def plan_activations(model_dir: str) -> int:
+    """`gradian plan`'s activation bytes per token for this model in fp32."""
+    import torch
+    from transformers import AutoConfig
+
+    from gradian_lightning.plan import activation_bytes_per_token
+
+    return activation_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
 
 if __name__ == "__main__":
     main()
