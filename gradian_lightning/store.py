@@ -119,7 +119,10 @@ class IndexWriter:
             if not (same_job or overwrite):
                 what = "a Gradian index of another configuration" if old is not None else "something that is not a Gradian index"
                 raise ConfigError(f"index.path {str(self.path)!r} holds {what}; choose another index.path or pass index.overwrite=true to replace it")
-            shutil.rmtree(self.path) if self.path.is_dir() else self.path.unlink()
+            if self.path.is_dir():
+                shutil.rmtree(self.path)
+            else:
+                self.path.unlink()
         group = zarr.open_group(str(self.path), mode="w")
         group.create_array("grads", shape=(self.num_rows, self.width), chunks=(self.chunk, self.width), dtype=_NUMPY_DTYPE[self.storage_dtype], fill_value=0)
         row_chunk = max(self.chunk, 4096)
