@@ -1,7 +1,6 @@
 """Safe by default: nothing unpickled, and an index run writes only under index.path."""
 
 import ast
-import os
 from pathlib import Path
 
 import zarr
