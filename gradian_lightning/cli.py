@@ -18,7 +18,8 @@ def _print_index_summary(summary: dict) -> None:
     print(f"  completions cut by grads.max_seq_length: {cut} ({100.0 * cut / max(total, 1):.1f}%)")
     for key, what in (("empty_rows", "with zero supervised tokens (excluded from ranking)"), ("nonfinite_rows", "with NaN/inf gradients (stored as zeros, excluded from ranking)")):
         found = summary[key]
-        shown = ", ".join(map(str, found[:20])) + (" ..." if len(found) > 20 else "")
+        ids = summary.get("ids", {})
+        shown = ", ".join(f"{i} (id {ids[i]!r})" if i in ids else str(i) for i in found[:20]) + (" ..." if len(found) > 20 else "")
         print(f"  rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
@@ -29,11 +30,80 @@ def _index(args: argparse.Namespace) -> None:
     _print_index_summary(run_index(load_config(args.config, args.overrides)))
 
 
+def _doctor(args: argparse.Namespace) -> None:
+    import json
+
+    from gradian_lightning.doctor import doctor_report, format_markdown
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config] + overrides  # `gradian doctor grads.seed=3`: no file
+    report = doctor_report(config, overrides)
+    print(json.dumps(report, indent=2) if args.json else format_markdown(report))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from gradian_lightning.config import load_config
+    from gradian_lightning.plan import format_plan, make_plan, parse_bytes
+
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    plan = make_plan(load_config(args.config, args.overrides), memory)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+
+
+def _snippet(row: Optional[dict], width: int) -> str:
+    """One line of a data row's text (prompt → completion, the chat turns, or the text), cut to `width`."""
+    if row is None:
+        return ""
+    if "prompt" in row and "completion" in row:
+        text = f"{row['prompt']} → {row['completion']}"
+    elif "messages" in row:
+        text = " | ".join(str(m.get("content", "")) for m in row["messages"])
+    else:
+        text = str(row.get("text", ""))
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _print_query_table(results: List[dict], queries: List[dict], train_rows: Optional[List[dict]], shown: int = 10, width: int = 72) -> None:
+    for result, query in zip(results, queries):
+        print(f"\nquery {result['query_id']}: {_snippet(query, width)}")
+        for key, label in (("results", "rank"), ("opponents", "opp.")):
+            for hit in result.get(key, [])[:shown]:
+                row = train_rows[hit["index"]] if train_rows is not None else None
+                print(f"  {label} {hit['rank']:>3}  {hit['score']:+.4f}  {str(hit['id'])[:24]:<24}  {_snippet(row, width)}")
+
+
+def _query(args: argparse.Namespace) -> None:
+    from gradian_lightning.config import load_config
+    from gradian_lightning.query import run_query
+
+    cfg = load_config(args.config, args.overrides)
+    answer = run_query(cfg)
+    _print_query_table(answer["results"], answer["queries"], answer["train_rows"])
+    where = f"; written to {cfg.query.output}" if cfg.query.output else " (set query.output=FILE.jsonl to keep them)"
+    print(f"\ngradian query: {len(answer['results'])} queries ranked against {len(answer['index'])} rows of {cfg.index.path} by {cfg.query.score} score on {answer['device']}{where}")
+
+
 def _quickstart(args: argparse.Namespace) -> None:
     from gradian_lightning.quickstart import run_quickstart
 
     result = run_quickstart(args.out)
     _print_index_summary(result["summary"])
+    _print_query_table(result["results"], result["queries"], result["train_rows"], shown=3)
+    n = len(result["queries"])
+    print(f"\ngradian quickstart: {n} queries, each a paraphrase of one training row (its planted source); full top-10 in {result['results_path']}")
+    for k in (1, 10):
+        print(f"  recall@{k}: {result[f'recall@{k}']:.3f} ({round(result[f'recall@{k}'] * n)}/{n} queries have their source in the top {k})")
+
+
+def _add_query_parser(commands: argparse._SubParsersAction) -> None:
+    query = commands.add_parser("query", help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)")
+    query.add_argument("config", help="YAML config file (see configs/); index.path names the index")
+    query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
+    query.set_defaults(run=_query)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -43,7 +113,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     index.add_argument("config", help="YAML config file (see configs/)")
     index.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
     index.set_defaults(run=_index)
-    quick = commands.add_parser("quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it (offline)")
+    plan = commands.add_parser("plan", help="predict peak memory and index size from the config and data, without loading weights")
+    plan.add_argument("config", help="YAML config file (see configs/)")
+    plan.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
+    plan.add_argument("--device-memory", help="memory to fit the batch in, e.g. 24GiB (default: the visible accelerator's)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(run=_plan)
+    doctor = commands.add_parser("doctor", help="report versions, devices, determinism and backends (Markdown; --json for JSON)")
+    doctor.add_argument("config", nargs="?", help="optional YAML config file, for the configured seed")
+    doctor.add_argument("overrides", nargs="*", help="key=value settings")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(run=_doctor)
+    _add_query_parser(commands)
+    quick = commands.add_parser("quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)")
     quick.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     quick.set_defaults(run=_quickstart)
     args = parser.parse_args(argv)
