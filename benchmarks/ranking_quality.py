@@ -354,13 +354,14 @@ def report(results: List[Dict]) -> str:
                         cells.append("n/a" if rec is None else f"{rec['mrr']:.2f}")
                 out.append(f"| {f} / {score} | " + " | ".join(cells) + " |")
     out.append("\n#### runs\n")
-    out.append("| run | train rows | queries | modules | fine-tune loss train (before→after) | queries (before→after) | gradient s | total s | date | machine |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    out.append("| run | projection seeds | train rows | queries | modules | fine-tune loss train (before→after) | queries (before→after) | gradient s | total s | date | machine |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ft = r["fine_tune"]
         tr = f"{ft['loss_before']['train']:.1f}→{ft['loss_after']['train']:.1f}" if ft else "(pretrained)"
         qu = f"{ft['loss_before']['queries']:.1f}→{ft['loss_after']['queries']:.1f}" if ft else ""
-        out.append(f"| {r['kind']}/{r['model']} | {r['train_rows']} | {r['queries']} | {r['modules']} | {tr} | {qu} | {r['gradient_seconds']} | {r['total_seconds']} | {r['date']} | {r['machine']} |")
+        seeds = max(rec["seeds"] for rec in r["records"])
+        out.append(f"| {r['kind']}/{r['model']} | {seeds} | {r['train_rows']} | {r['queries']} | {r['modules']} | {tr} | {qu} | {r['gradient_seconds']} | {r['total_seconds']} | {r['date']} | {r['machine']} |")
     return "\n".join(out) + "\n"
 
 
