@@ -29,7 +29,7 @@ from benchmarks.common import (
     command_line, emit, fmt_bytes, load_model, machine, peak_rss_bytes, run_child, synthetic_examples, table, write_result,
 )
 
-FILTERS = {"down_proj": "down_proj", "mlp": "gate_proj,up_proj,down_proj", "all_linear": "*"}
+FILTERS = {"down_proj": "down_proj", "mlp": "gate_proj,up_proj,down_proj", "all_linear": "*.layers.*"}  # every decoder Linear; lm_head left out
 SETTINGS = {  # model -> (batches, batch size, sequence length)
     "tiny": (24, 8, 128),
     "smollm2": (6, 2, 128),
