@@ -55,6 +55,7 @@ def child(args: argparse.Namespace) -> None:
     from gradian_lightning.data import collate
     from gradian_lightning.indexing import CausalLMModule
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = load_model(args.model)
     examples, batches = _batches(model, args.batches, args.batch_size, args.seq_len)
@@ -87,6 +88,7 @@ def profile_child(args: argparse.Namespace) -> None:
     from gradian_lightning.projection import KroneckerProjector
     from gradian_lightning.store import IndexWriter
 
+    torch.set_num_threads(args.threads)
     model = load_model(args.model)
     examples, batches = _batches(model, args.batches, args.batch_size, args.seq_len)
     modules = select_modules(model, FILTERS[args.variant].split(","))
@@ -130,6 +132,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--projection-dim", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: the machine is shared, and oversubscribed OpenMP threads distort ratios)")
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="also profile where indexing time goes")
@@ -143,11 +146,12 @@ def main() -> None:
 
     settings = SMOKE if args.smoke else {m: SETTINGS[m] for m in args.models.split(",")}
     repeats = 1 if args.smoke else args.repeats
-    variants = ["plain", *FILTERS]
+    filters = ["down_proj"] if args.smoke else list(FILTERS)
+    variants = ["plain", *filters]
     rows: List[List[Any]] = []
     profiles: List[List[Any]] = []
     for model, (batches, batch_size, seq_len) in settings.items():
-        common = ["--model", model, "--batches", str(batches), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--projection-dim", str(args.projection_dim)]
+        common = ["--model", model, "--batches", str(batches), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--projection-dim", str(args.projection_dim), "--threads", str(args.threads)]
         runs: Dict[str, List[Dict[str, Any]]] = {v: [] for v in variants}
         for r in range(repeats):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
@@ -161,7 +165,7 @@ def main() -> None:
         p_rss = statistics.median(x["peak_rss"] for x in plain)
         tokens = plain[0]["tokens"]
         rows.append([model, "plain fwd+bwd", f"{tokens / p_loop:.0f}", f"{p_proc:.1f}", fmt_bytes(p_rss), "1.00", "1.00", "1.00"])
-        for variant in FILTERS:
+        for variant in filters:
             i_proc = statistics.median(x["process_wall_s"] for x in runs[variant])
             i_loop = statistics.median(x["loop_s"] for x in runs[variant])
             i_rss = statistics.median(x["peak_rss"] for x in runs[variant])
@@ -174,7 +178,7 @@ def main() -> None:
             profiles.append([model, *(f"{parts[k]:.2f} ({100 * parts[k] / total:.0f}%)" for k in parts), f"{other:.2f} ({100 * other / total:.0f}%)", f"{total:.2f}"])
     m = machine()
     header = ["model", "variant", "tokens/s (loop)", "process wall s", "peak RSS", "wall ratio (process)", "time ratio (loop)", "peak RSS ratio"]
-    body = f"projection_dim {args.projection_dim}, storage float16; medians of {repeats} interleaved fresh-process runs per variant; " \
+    body = f"projection_dim {args.projection_dim}, storage float16, {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; " \
            + "; ".join(f"{k}: {b} batches × {bs} rows × {s} tokens" for k, (b, bs, s) in settings.items()) + ".\n\n" + table(header, rows)
     if profiles:
         body += "\n\nWhere indexing time goes (down_proj, torch.profiler, seconds of CPU time per labelled step):\n\n"

@@ -87,11 +87,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both tools (default 1: the machine is shared)")
     parser.add_argument("--venv", default=str(VENV))
     parser.add_argument("--smoke", action="store_true", help="gradian side only, 2 layers, one run: seconds (no venv is made)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     tools = ["gradian"] if args.smoke else ["gradian", "bergson"]
     version = None if args.smoke else ensure_venv(Path(args.venv))
     runs: Dict[str, List[Dict[str, Any]]] = {t: [] for t in tools}
@@ -114,7 +115,7 @@ def main() -> None:
     body = (
         f"Tiny random-init Llama (hidden {args.hidden}, {2 if args.smoke else args.layers} layers, SmolLM2 tokenizer, vocab 49152), "
         f"{DATA.relative_to(ROOT)} (120 prompt/completion rows), down_proj, projection_dim 16, fp32 rows, batches of {BATCH}; "
-        f"medians of {len(runs[tools[0]])} alternating runs, whole process.\n"
+        f"OMP_NUM_THREADS={args.threads}; medians of {len(runs[tools[0]])} alternating runs, whole process.\n"
         + (f"bergson {version} in its own virtualenv ({args.venv}).\n\n" if version else "\n")
         + table(["tool", "wall s", "peak RSS", "bytes on disk"], rows)
     )
