@@ -7,6 +7,7 @@ from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import GradianError
 from gradian_lightning.loss import supervised_token_loss
 from gradian_lightning.projection import KroneckerProjector
+from gradian_lightning.query import Ranking, query_gradients, streaming_topk
 from gradian_lightning.store import IndexReader, IndexWriter, open_index
 
 __all__ = [
@@ -17,10 +18,13 @@ __all__ = [
     "JsonlDataset",
     "KroneckerProjector",
     "LinearCapture",
+    "Ranking",
     "collate",
     "load_config",
     "open_index",
+    "query_gradients",
     "read_jsonl",
     "select_modules",
+    "streaming_topk",
     "supervised_token_loss",
 ]

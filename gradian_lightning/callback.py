@@ -136,8 +136,10 @@ class GradientIndexer(L.Callback):
         projection = {"kind": "kronecker_gaussian" if self.projection_dim else "exact", "dim": self.projection_dim, "seed": self.seed}
         modules = self.projector.describe()
         identity = {"model": model["name_or_path"], "modules": modules, "projection": projection, "storage_dtype": self.storage_dtype, "data": self.extra_meta.get("data")}
+        indexer = {"path": self.path_template, "module_filter": self.patterns, "projection_dim": self.projection_dim, "storage_dtype": self.storage_dtype, "seed": self.seed, "dataloader_idx": self.dataloader_idx}
         return {
             **self.extra_meta,
+            "indexer": indexer,
             "model": model,
             "modules": modules,
             "projection": projection,

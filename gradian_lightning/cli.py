@@ -29,11 +29,57 @@ def _index(args: argparse.Namespace) -> None:
     _print_index_summary(run_index(load_config(args.config, args.overrides)))
 
 
+def _snippet(row: Optional[dict], width: int) -> str:
+    """One line of a data row's text (prompt → completion, the chat turns, or the text), cut to `width`."""
+    if row is None:
+        return ""
+    if "prompt" in row and "completion" in row:
+        text = f"{row['prompt']} → {row['completion']}"
+    elif "messages" in row:
+        text = " | ".join(str(m.get("content", "")) for m in row["messages"])
+    else:
+        text = str(row.get("text", ""))
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _print_query_table(results: List[dict], queries: List[dict], train_rows: Optional[List[dict]], shown: int = 10, width: int = 72) -> None:
+    for result, query in zip(results, queries):
+        print(f"\nquery {result['query_id']}: {_snippet(query, width)}")
+        for key, label in (("results", "rank"), ("opponents", "opp.")):
+            for hit in result.get(key, [])[:shown]:
+                row = train_rows[hit["index"]] if train_rows is not None else None
+                print(f"  {label} {hit['rank']:>3}  {hit['score']:+.4f}  {str(hit['id'])[:24]:<24}  {_snippet(row, width)}")
+
+
+def _query(args: argparse.Namespace) -> None:
+    from gradian_lightning.config import load_config
+    from gradian_lightning.query import run_query
+
+    cfg = load_config(args.config, args.overrides)
+    answer = run_query(cfg)
+    _print_query_table(answer["results"], answer["queries"], answer["train_rows"])
+    where = f"; written to {cfg.query.output}" if cfg.query.output else " (set query.output=FILE.jsonl to keep them)"
+    print(f"\ngradian query: {len(answer['results'])} queries ranked against {len(answer['index'])} rows of {cfg.index.path} by {cfg.query.score} score on {answer['device']}{where}")
+
+
 def _quickstart(args: argparse.Namespace) -> None:
     from gradian_lightning.quickstart import run_quickstart
 
     result = run_quickstart(args.out)
     _print_index_summary(result["summary"])
+    _print_query_table(result["results"], result["queries"], result["train_rows"], shown=3)
+    n = len(result["queries"])
+    print(f"\ngradian quickstart: {n} queries, each a paraphrase of one training row (its planted source); full top-10 in {result['results_path']}")
+    for k in (1, 10):
+        print(f"  recall@{k}: {result[f'recall@{k}']:.3f} ({round(result[f'recall@{k}'] * n)}/{n} queries have their source in the top {k})")
+
+
+def _add_query_parser(commands: argparse._SubParsersAction) -> None:
+    query = commands.add_parser("query", help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)")
+    query.add_argument("config", help="YAML config file (see configs/); index.path names the index")
+    query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
+    query.set_defaults(run=_query)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -43,7 +89,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     index.add_argument("config", help="YAML config file (see configs/)")
     index.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
     index.set_defaults(run=_index)
-    quick = commands.add_parser("quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it (offline)")
+    _add_query_parser(commands)
+    quick = commands.add_parser("quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)")
     quick.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     quick.set_defaults(run=_quickstart)
     args = parser.parse_args(argv)

@@ -119,7 +119,10 @@ class IndexWriter:
             if not (same_job or overwrite):
                 what = "a Gradian index of another configuration" if old is not None else "something that is not a Gradian index"
                 raise ConfigError(f"index.path {str(self.path)!r} holds {what}; choose another index.path or pass index.overwrite=true to replace it")
-            shutil.rmtree(self.path) if self.path.is_dir() else self.path.unlink()
+            if self.path.is_dir():
+                shutil.rmtree(self.path)
+            else:
+                self.path.unlink()
         group = zarr.open_group(str(self.path), mode="w")
         group.create_array("grads", shape=(self.num_rows, self.width), chunks=(self.chunk, self.width), dtype=_NUMPY_DTYPE[self.storage_dtype], fill_value=0)
         row_chunk = max(self.chunk, 4096)
@@ -201,9 +204,27 @@ class IndexReader:
     def __len__(self) -> int:
         return int(self.meta["num_rows"])
 
-    def column(self, name: str) -> np.ndarray:
-        """A whole per-row array: id, loss, supervised_tokens, truncated_tokens, finite, complete."""
-        return self.group[name][:]
+    def column(self, name: str, indices: Optional[Sequence[int]] = None) -> np.ndarray:
+        """A per-row array (id, loss, supervised_tokens, truncated_tokens, finite, complete), whole or at `indices`."""
+        if indices is None:
+            return self.group[name][:]
+        return self.group[name].oindex[np.asarray(indices, dtype=np.int64)]
+
+    def rankable(self, lo: int, hi: int) -> np.ndarray:
+        """Bool [hi - lo]: rows lo..hi-1 that may appear in query results (written, finite, supervised)."""
+        rows = slice(lo, hi)
+        return self.group["complete"][rows] & self.group["finite"][rows] & (self.group["supervised_tokens"][rows] > 0)
+
+    def topk(self, query_rows: torch.Tensor, k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None) -> Any:
+        """The k best rows per query (`query.streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
+
+        `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`; `score` is
+        "cosine" or "inner". The index is streamed chunk by chunk.
+        """
+        from gradian_lightning.query import streaming_topk
+
+        top, bottom = streaming_topk(self, query_rows, k, score, bottom_k, device)
+        return (top, bottom) if bottom_k else top
 
     def rows(self, indices: Sequence[int] | slice) -> torch.Tensor:
         """float32 rows [len(indices), D] for dataset positions `indices`."""

@@ -1,7 +1,10 @@
-"""The embedded default: fine-tune a tiny Llama on bundled facts with `GradientIndexer` attached.
+"""The embedded default: fine-tune a tiny Llama on bundled facts with `GradientIndexer` attached,
+then ask which training row taught each bundled query.
 
 No download: the tokenizer is a word-level one built from the bundled data, and the model is a
 random-init Llama from `LlamaConfig`. `run_quickstart()` is what `gradian quickstart` runs.
+Each query paraphrases one training row (its `source` column); the source labels are used only
+to score the ranking afterwards (recall@k), never to make it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
+from gradian_lightning.query import query_gradients, results_for, write_results
+from gradian_lightning.store import open_index
 
 HERE = Path(__file__).parent
 TRAIN, QUERIES = HERE / "train.jsonl", HERE / "queries.jsonl"
@@ -69,25 +74,48 @@ class FineTune(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def run_quickstart(out_dir: str | Path = "runs/quickstart", epochs: int = 12, batch_size: int = 8, seed: int = 0) -> Dict[str, Any]:
-    """Fine-tune on the bundled training rows and index them at the end of fitting.
+def recall_at(results: List[Dict[str, Any]], sources: List[str], k: int) -> float:
+    """Fraction of queries whose planted source id is among their first k results."""
+    hits = sum(source in [r["id"] for r in result["results"][:k]] for result, source in zip(results, sources))
+    return hits / len(sources)
 
-    Returns the indexer's summary plus the model, tokenizer and index path (for querying).
+
+def run_quickstart(out_dir: str | Path = "runs/quickstart", epochs: int = 12, batch_size: int = 8, seed: int = 0, top_k: int = 10) -> Dict[str, Any]:
+    """Fine-tune on the bundled training rows, index them at the end of fitting, answer the queries.
+
+    Writes `out_dir/index` and `out_dir/results.jsonl` (the `gradian query` schema). Returns the
+    indexer's summary, the per-query results, the query and training rows, recall@1 and
+    recall@10 of the planted sources, and the model, tokenizer and index path.
     """
     out_dir = Path(out_dir)
     L.seed_everything(seed, verbose=False)
     train_rows, query_rows = read_jsonl(TRAIN), read_jsonl(QUERIES)
+    max_seq_length = 64
     tokenizer = word_tokenizer(r["prompt"] + r["completion"] for r in train_rows + query_rows)
     model = tiny_llama(len(tokenizer), seed=seed)
-    dataset = JsonlDataset(train_rows, tokenizer, max_seq_length=64, source=str(TRAIN))
+    dataset = JsonlDataset(train_rows, tokenizer, max_seq_length, source=str(TRAIN))
     batches = partial(collate, pad_token_id=tokenizer.pad_token_id)
     shuffled = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=batches)
     in_order = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=batches)
     # Validation runs once, after the last epoch: that is when the index is written.
-    indexer = GradientIndexer(out_dir / "index", module_filter=["down_proj", "o_proj"], projection_dim=16, storage_dtype="float16", seed=seed, overwrite=True)
+    indexer = GradientIndexer(
+        out_dir / "index", module_filter=["down_proj", "o_proj"], projection_dim=16, storage_dtype="float16", seed=seed, overwrite=True,
+        meta={"data": {"path": str(TRAIN), "max_seq_length": max_seq_length}},
+    )
     trainer = L.Trainer(
         max_epochs=epochs, check_val_every_n_epoch=epochs, num_sanity_val_steps=0, accelerator="cpu", devices=1,
         logger=False, enable_checkpointing=False, enable_model_summary=False, callbacks=[indexer], default_root_dir=out_dir,
     )
     trainer.fit(FineTune(model), train_dataloaders=shuffled, val_dataloaders=in_order)
-    return {"summary": indexer.summary, "model": model.eval(), "tokenizer": tokenizer, "index": out_dir / "index", "queries": query_rows}
+    index = open_index(out_dir / "index")
+    # Only prompt and completion go in: the query's `source` column is the answer key.
+    asked = [{"id": q["id"], "prompt": q["prompt"], "completion": q["completion"]} for q in query_rows]
+    rows = query_gradients(index, model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES))
+    results = results_for(index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine"))
+    write_results(out_dir / "results.jsonl", results)
+    sources = [q["source"] for q in query_rows]
+    return {
+        "summary": indexer.summary, "results": results, "queries": query_rows, "train_rows": train_rows,
+        "recall@1": recall_at(results, sources, 1), "recall@10": recall_at(results, sources, 10),
+        "model": model.eval(), "tokenizer": tokenizer, "index": out_dir / "index", "results_path": out_dir / "results.jsonl",
+    }
