@@ -4,7 +4,8 @@ An index of `--rows` × `--width` float16 rows (N(0, 1) values, written by `Inde
 default codec) and a raw .npy file of the same float16 bytes are written to local disk. Each is
 read once to warm the page cache (this machine cannot drop caches, so both are measured warm),
 then, interleaved `--repeats` times:
-  - numpy read:      `np.load` of the .npy file: the ceiling, bytes only, no scoring;
+  - numpy read:      the .npy file's bytes read chunk by chunk (the index's chunk size) into one
+                     reused NumPy buffer: the ceiling, bytes only, no decoding or scoring;
   - chunk read:      `IndexReader.chunks()` alone (zarr read + decompress + decode to float32);
   - streaming top-k: `gradian_lightning.query.streaming_topk` (cosine, top 10, `--queries` queries),
                      i.e. read + decode + one float32 matmul per chunk + running top-k.
@@ -83,8 +84,16 @@ def main() -> None:
         index = open_index(tmp / "index")
         queries = torch.randn(args.queries, args.width, generator=generator)
 
+        chunk_bytes = writer.chunk * args.width * 2
+        buffer = np.empty(chunk_bytes, dtype=np.uint8)
+
         def numpy_read() -> None:
-            np.load(tmp / "rows.npy")
+            # The same bytes in the index's chunk size into one reused buffer: streaming's ceiling.
+            with open(tmp / "rows.npy", "rb") as f:
+                np.lib.format.read_magic(f)
+                np.lib.format.read_array_header_1_0(f)
+                while f.readinto(buffer):
+                    pass
 
         def chunk_read() -> None:
             for _ in index.chunks():
