@@ -7,8 +7,6 @@ One validation batch flows: dataloader batch -> `supervised_token_loss` (loss.py
 
 from __future__ import annotations
 
-import platform
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -19,25 +17,12 @@ from torch import nn
 
 from gradian_lightning.capture import LinearCapture, select_modules
 from gradian_lightning.config import STORAGE_DTYPES, module_patterns
-from gradian_lightning.errors import ConfigError, GradianError
+from gradian_lightning.doctor import package_versions
+from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, GradianError
 from gradian_lightning.gradients import projected_gradients
 from gradian_lightning.loss import supervised_targets
 from gradian_lightning.projection import KroneckerProjector
 from gradian_lightning.store import IndexWriter, fingerprint
-
-PACKAGES = ("gradian-lightning", "torch", "lightning", "transformers", "zarr", "omegaconf", "numpy")
-
-
-def package_versions() -> Dict[str, str]:
-    """Installed versions of the packages an index depends on, plus Python's."""
-    found = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "not installed"
-    return found
-
 
 def find_causal_lm(pl_module: nn.Module, attribute: Optional[str] = None) -> nn.Module:
     """The Hugging Face model inside a LightningModule: `attribute` (dotted) or the top-most PreTrainedModel."""
@@ -200,10 +185,36 @@ class GradientIndexer(L.Callback):
         # fork_rng: a model left in train mode (dropout) must not advance the user's RNG.
         with torch.random.fork_rng(devices=devices, device_type=pl_module.device.type), torch.inference_mode(False), torch.enable_grad():
             sub = {k: batch[k][wanted] for k in ("input_ids", "attention_mask", "labels") if k in batch}
-            sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context())
+            try:
+                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context())
+            except torch.OutOfMemoryError:
+                raise self._out_of_memory(batch, wanted) from None
+            except RuntimeError as err:  # MPS reports running out of memory as a plain RuntimeError
+                if "out of memory" not in str(err).lower():
+                    raise
+                raise self._out_of_memory(batch, wanted) from None
         rows[wanted] = sub_rows
         losses[wanted] = sub_losses
         return rows, losses, supervised
+
+    def _out_of_memory(self, batch: Dict[str, Any], wanted: torch.Tensor) -> DeviceOutOfMemoryError:
+        """The one-line error for an accelerator OOM in this batch: what it held and what to lower."""
+        from gradian_lightning.plan import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
+
+        n_supervised = int(supervised_targets(batch["labels"][wanted]).sum())
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        vocab = getattr(head, "out_features", None) or getattr(getattr(self.model, "config", None), "vocab_size", None)
+        max_len = (self.extra_meta.get("data") or {}).get("max_seq_length")  # known when run from a config
+        batch_size = ((self.extra_meta.get("config") or {}).get("grads") or {}).get("batch_size", batch["input_ids"].shape[0])
+        peak = f"{human_bytes(fp32_logit_bytes(n_supervised, vocab))}" if vocab else "unknown (vocab unknown)"
+        rows = batch["index"][wanted]
+        return DeviceOutOfMemoryError(
+            f"device out of memory indexing rows {int(rows.min())}-{int(rows.max())}: a batch of {int(wanted.sum())} rows "
+            f"(grads.batch_size={batch_size}, grads.max_seq_length={max_len if max_len is not None else 'unknown'}, padded length {batch['input_ids'].shape[1]}) "
+            f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {peak} ({LOGIT_PEAK_COPIES}× that with their log-softmax and gradients, on top of weights and activations; gradian plan predicts the whole peak); "
+            "lower grads.batch_size first (the peak is linear in it; it costs only wall time), then grads.max_seq_length (it can cut completions); "
+            "grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
+        )
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._active(trainer) or self._todo is None:
@@ -236,4 +247,5 @@ def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:
         "truncated_rows": int(((truncated > 0) & written).sum()),
         "empty_rows": [int(i) for i in np.flatnonzero((supervised == 0) & written)],
         "nonfinite_rows": [int(i) for i in np.flatnonzero(~group["finite"][:] & written)],
+        "ids": {int(i): str(group["id"][int(i)]) for i in np.flatnonzero(((supervised == 0) | ~group["finite"][:]) & written)[:20]},
     }

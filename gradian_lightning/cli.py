@@ -18,7 +18,8 @@ def _print_index_summary(summary: dict) -> None:
     print(f"  completions cut by grads.max_seq_length: {cut} ({100.0 * cut / max(total, 1):.1f}%)")
     for key, what in (("empty_rows", "with zero supervised tokens (excluded from ranking)"), ("nonfinite_rows", "with NaN/inf gradients (stored as zeros, excluded from ranking)")):
         found = summary[key]
-        shown = ", ".join(map(str, found[:20])) + (" ..." if len(found) > 20 else "")
+        ids = summary.get("ids", {})
+        shown = ", ".join(f"{i} (id {ids[i]!r})" if i in ids else str(i) for i in found[:20]) + (" ..." if len(found) > 20 else "")
         print(f"  rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
@@ -27,6 +28,29 @@ def _index(args: argparse.Namespace) -> None:
     from gradian_lightning.indexing import run_index
 
     _print_index_summary(run_index(load_config(args.config, args.overrides)))
+
+
+def _doctor(args: argparse.Namespace) -> None:
+    import json
+
+    from gradian_lightning.doctor import doctor_report, format_markdown
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config] + overrides  # `gradian doctor grads.seed=3`: no file
+    report = doctor_report(config, overrides)
+    print(json.dumps(report, indent=2) if args.json else format_markdown(report))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from gradian_lightning.config import load_config
+    from gradian_lightning.plan import format_plan, make_plan, parse_bytes
+
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    plan = make_plan(load_config(args.config, args.overrides), memory)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
 
 
 def _snippet(row: Optional[dict], width: int) -> str:
@@ -89,6 +113,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     index.add_argument("config", help="YAML config file (see configs/)")
     index.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
     index.set_defaults(run=_index)
+    plan = commands.add_parser("plan", help="predict peak memory and index size from the config and data, without loading weights")
+    plan.add_argument("config", help="YAML config file (see configs/)")
+    plan.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
+    plan.add_argument("--device-memory", help="memory to fit the batch in, e.g. 24GiB (default: the visible accelerator's)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(run=_plan)
+    doctor = commands.add_parser("doctor", help="report versions, devices, determinism and backends (Markdown; --json for JSON)")
+    doctor.add_argument("config", nargs="?", help="optional YAML config file, for the configured seed")
+    doctor.add_argument("overrides", nargs="*", help="key=value settings")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(run=_doctor)
     _add_query_parser(commands)
     quick = commands.add_parser("quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)")
     quick.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")

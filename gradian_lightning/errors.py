@@ -24,3 +24,6 @@ class IndexFormatError(GradianError):
 class IndexMismatchError(GradianError):
     """A query disagrees with the index it is scored against (model, modules, projection)."""
 
+
+class DeviceOutOfMemoryError(GradianError):
+    """The accelerator ran out of memory during indexing; the message says which setting to lower."""

@@ -24,23 +24,46 @@ from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError
 
 
-def load_model_and_tokenizer(model_cfg: DictConfig) -> Tuple[Any, Any]:
-    """`from_pretrained` model (causal LM, eval mode) and fast tokenizer from a `model.*` config."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    name = os.path.expanduser(model_cfg.name_or_path)  # "~/..." in a YAML file means the home directory
-    kwargs = {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
-    dtype = model_cfg.dtype if model_cfg.dtype == "auto" else getattr(torch, model_cfg.dtype)
+def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:
+    """`load(name, **kwargs)` (a transformers `from_pretrained`), its failure as one `ConfigError` line."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, use_fast=True, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
+        return load(name, **kwargs)
     except Exception as err:  # OSError, ValueError, ...: transformers' messages are long; keep the gist
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if "trust_remote_code" in str(err):
             raise ConfigError(f"model {name!r} ships its own code; if you trust it, pass model.trust_remote_code=true") from None
         raise ConfigError(f"setting 'model.name_or_path'={name!r} could not be loaded ({first}); give a local model directory or a Hugging Face name that is cached or reachable") from None
+
+
+def _pretrained_args(model_cfg: DictConfig) -> Tuple[str, Dict[str, Any]]:
+    name = os.path.expanduser(model_cfg.name_or_path)  # "~/..." in a YAML file means the home directory
+    return name, {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
+
+
+def load_model_and_tokenizer(model_cfg: DictConfig) -> Tuple[Any, Any]:
+    """`from_pretrained` model (causal LM, eval mode) and fast tokenizer from a `model.*` config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, kwargs = _pretrained_args(model_cfg)
+    dtype = model_cfg.dtype if model_cfg.dtype == "auto" else getattr(torch, model_cfg.dtype)
+    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name, use_fast=True, **kwargs)
+    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name, dtype=dtype, **kwargs)
     return model.eval(), tokenizer
+
+
+def load_tokenizer_and_config(model_cfg: DictConfig) -> Tuple[Any, Any]:
+    """The fast tokenizer and the `PretrainedConfig` of a `model.*` config, without loading weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name, kwargs = _pretrained_args(model_cfg)
+    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name, use_fast=True, **kwargs)
+    return tokenizer, _from_pretrained(AutoConfig.from_pretrained, name, **kwargs)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id `collate` pads with: the tokenizer's pad token, else its EOS token, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 class CausalLMModule(L.LightningModule):
@@ -89,8 +112,7 @@ def run_index(cfg: DictConfig) -> Dict[str, Any]:
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad))
+    loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
     trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
     if indexer.summary is None:
         raise GradianError("indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)")

@@ -1,0 +1,226 @@
+"""`gradian doctor`: the environment, as a report to paste into a bug report. It reports, it doesn't judge.
+
+`SUPPORTED` is the one declaration of the versions this release supports; pyproject.toml's
+dependency bounds are checked against it by tests/test_doctor.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import re
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+# name -> (lowest supported, first unsupported): the half-open window [low, high).
+SUPPORTED: Dict[str, Tuple[str, str]] = {
+    "python": ("3.10", "3.14"),
+    "torch": ("2.4", "2.14"),
+    "lightning": ("2.4", "2.7"),
+    "transformers": ("5.0", "6"),
+    "zarr": ("3.0", "4"),
+    "omegaconf": ("2.3", "2.5"),
+    "numpy": ("1.24", "3"),
+}
+PACKAGES = ("gradian-lightning", "torch", "lightning", "transformers", "zarr", "omegaconf", "numpy")
+
+
+def package_versions() -> Dict[str, str]:
+    """Installed versions of the packages an index depends on, plus Python's."""
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def release(text: str) -> Tuple[int, ...]:
+    """The numeric release of a version string: '2.13.0+cpu' -> (2, 13, 0), '2.6.0rc1' -> (2, 6, 0)."""
+    match = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(part) for part in match.group(0).split(".")[:3]) if match else ()
+
+
+def version_status(name: str, installed: str) -> str:
+    """OK, OUTSIDE (of `SUPPORTED[name]`) or MISSING."""
+    if installed == "not installed":
+        return "MISSING"
+    low, high = SUPPORTED[name]
+    return "OK" if release(low) <= release(installed) < release(high) else "OUTSIDE"
+
+
+def versions_report() -> List[Dict[str, str]]:
+    installed = package_versions()
+    return [
+        {"name": name, "installed": installed[name], "supported": f">={low},<{high}", "status": version_status(name, installed[name])}
+        for name, (low, high) in SUPPORTED.items()
+    ]
+
+
+def _cuda() -> Dict[str, Any]:
+    if torch.version.cuda is None:
+        return {"available": False, "reason": f"torch {torch.__version__} is a build without CUDA", "devices": []}
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no driver or no GPU found"
+        return {"available": False, "reason": f"torch built with CUDA {torch.version.cuda} sees no device ({why})", "devices": []}
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        devices.append({"index": i, "name": p.name, "memory_bytes": int(p.total_memory), "capability": f"{p.major}.{p.minor}"})
+    return {"available": True, "reason": None, "cuda_version": torch.version.cuda, "devices": devices}
+
+
+def _mps() -> Dict[str, Any]:
+    if not torch.backends.mps.is_built():
+        return {"available": False, "reason": "torch was built without MPS (it exists only in macOS builds)", "devices": []}
+    if not torch.backends.mps.is_available():
+        return {"available": False, "reason": "MPS is built but unavailable (needs macOS 12.3+ on Apple silicon)", "devices": []}
+    return {"available": True, "reason": None, "devices": [{"index": 0, "name": "mps", "memory_bytes": int(torch.mps.recommended_max_memory())}]}
+
+
+def devices_report() -> Dict[str, Any]:
+    return {
+        "cuda": _cuda(),
+        "mps": _mps(),
+        "cpu": {"logical_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads()},
+    }
+
+
+def determinism_report(seed: Any) -> Dict[str, Any]:
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "seed": seed,
+    }
+
+
+def _check_hooks() -> Optional[str]:
+    """None when forward hooks capture a Linear's output-gradient here, else why not."""
+    from gradian_lightning.capture import LinearCapture
+
+    try:
+        linear = torch.nn.Linear(3, 2)
+        capture = LinearCapture({"probe": linear})
+        with capture:
+            y = linear(torch.ones(1, 3))
+        grads = capture.output_grads((y * torch.tensor([[1.0, 2.0]])).sum())
+        if not torch.equal(grads["probe"], torch.tensor([[1.0, 2.0]])) or linear.weight.grad is not None:
+            return "forward hooks ran but gave a wrong output-gradient"
+        return None
+    except Exception as err:  # a report, not a crash: say what broke
+        return f"{type(err).__name__}: {err}"
+
+
+def _check_local_zarr() -> Optional[str]:
+    """None when a zarr v3 group round-trips through a temporary directory, else why not."""
+    try:
+        import numpy as np
+        import zarr
+
+        with tempfile.TemporaryDirectory() as tmp:
+            group = zarr.open_group(tmp, mode="w")
+            group.create_array("a", shape=(2, 2), chunks=(1, 2), dtype="float16")[:] = np.ones((2, 2))
+            if not (zarr.open_group(tmp, mode="r")["a"][:] == 1).all():
+                return "zarr wrote data it did not read back"
+        return None
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def _installed(module: str, package: str) -> Optional[str]:
+    if importlib.util.find_spec(module) is None:
+        return f"{package} is not installed (pip install {package})"
+    return None
+
+
+def _remote(protocol: str, module: str, package: str) -> Optional[str]:
+    missing = _installed("fsspec", "fsspec") or _installed(module, package)
+    if missing:
+        return missing
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+        return None
+    except Exception as err:
+        return f"fsspec cannot load the {protocol}:// filesystem ({type(err).__name__}: {err})"
+
+
+def backends_report() -> List[Dict[str, Any]]:
+    """Each backend as {name, kind, available, reason (None when available)}."""
+    import torch.distributed as dist
+
+    cuda, mps = _cuda(), _mps()
+    dist_ok = dist.is_available()
+    rows = [
+        ("cuda", "accelerator", cuda["reason"]),
+        ("mps", "accelerator", mps["reason"]),
+        ("nccl", "distributed", None if dist_ok and dist.is_nccl_available() else ("torch.distributed is not built" if not dist_ok else "torch was built without NCCL (CUDA builds on Linux have it)")),
+        ("gloo", "distributed", None if dist_ok and dist.is_gloo_available() else ("torch.distributed is not built" if not dist_ok else "torch was built without Gloo")),
+        ("hooks", "gradient capture", _check_hooks()),
+        ("zarr (local)", "storage", _check_local_zarr()),
+        ("zarr via fsspec: s3://", "storage", _remote("s3", "s3fs", "s3fs")),
+        ("zarr via fsspec: gs://", "storage", _remote("gs", "gcsfs", "gcsfs")),
+    ]
+    return [{"name": n, "kind": k, "available": why is None, "reason": why} for n, k, why in rows]
+
+
+def configured_seed(config: Optional[str], overrides: List[str]) -> Any:
+    """grads.seed of the given config (defaults when no file); the error line when it does not load."""
+    from gradian_lightning.config import load_config
+    from gradian_lightning.errors import GradianError
+
+    try:
+        return load_config(config, overrides).grads.seed
+    except GradianError as err:
+        return f"config not loaded: {err}"
+
+
+def doctor_report(config: Optional[str] = None, overrides: Optional[List[str]] = None) -> Dict[str, Any]:
+    """The whole report as plain data (JSON-serialisable)."""
+    return {
+        "gradian": package_versions()["gradian-lightning"],
+        "platform": platform.platform(),
+        "versions": versions_report(),
+        "devices": devices_report(),
+        "determinism": determinism_report(configured_seed(config, overrides or [])),
+        "backends": backends_report(),
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def format_markdown(report: Dict[str, Any]) -> str:
+    """The report as Markdown, for a bug report."""
+    out = [f"## gradian doctor", "", f"gradian-lightning {report['gradian']} on {report['platform']}", "", "### Versions", "",
+           "| package | installed | supported | status |", "|---|---|---|---|"]
+    out += [f"| {v['name']} | {v['installed']} | {v['supported']} | {v['status']} |" for v in report["versions"]]
+    out += ["", "### Devices", ""]
+    d = report["devices"]
+    for kind in ("cuda", "mps"):
+        if d[kind]["available"]:
+            for dev in d[kind]["devices"]:
+                cap = f", capability {dev['capability']}" if "capability" in dev else ""
+                out.append(f"- {kind}:{dev['index']}: {dev['name']}, {_gib(dev['memory_bytes'])}{cap}")
+        else:
+            out.append(f"- {kind}: none ({d[kind]['reason']})")
+    cpu = d["cpu"]
+    out.append(f"- cpu: {cpu['logical_cores']} logical cores; torch uses {cpu['torch_threads']} threads ({cpu['torch_interop_threads']} inter-op)")
+    out += ["", "### Determinism", "", "| setting | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in report["determinism"].items()]
+    out += ["", "### Backends", "", "| backend | for | available | reason |", "|---|---|---|---|"]
+    out += [f"| {b['name']} | {b['kind']} | {'yes' if b['available'] else 'no'} | {b['reason'] or ''} |" for b in report["backends"]]
+    return "\n".join(out)

@@ -1,0 +1,240 @@
+"""`gradian plan`: predict indexing's peak memory and the index's size, without loading weights.
+
+One allocation dominates gradient indexing: the fp32 logits at the supervised positions of a batch,
+`n_supervised × vocab × 4` bytes (see loss.py). Prompt tokens and padding cost nothing there, so the
+prediction needs the supervised-token count of every row, hence the real tokenizer at the configured
+`grads.max_seq_length`; the model itself is built on the meta device, from its config alone, for the
+vocabulary, the parameter bytes and the widths of the selected modules.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from gradian_lightning.capture import select_modules
+from gradian_lightning.config import STORAGE_DTYPES, module_patterns, require
+from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.projection import KroneckerProjector
+
+FP32_BYTES = 4
+STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The fp32 logits are not alone at the peak: cross-entropy keeps their log-softmax for backward,
+# and backward makes a gradient of each, so three tensors of that size are alive at once.
+LOGIT_PEAK_COPIES = 3
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def fp32_logit_bytes(n_supervised: int, vocab_size: int) -> int:
+    """Bytes of the fp32 logit tensor for a batch with `n_supervised` supervised tokens in all."""
+    return int(n_supervised) * int(vocab_size) * FP32_BYTES
+
+
+def supervised_tokens(example: Example) -> int:
+    """Supervised targets of one tokenized row: positions t whose label[t + 1] is not -100."""
+    return sum(1 for label in example.labels[1:] if label != IGNORE_INDEX)
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '80 GB', '512MiB', '1e9' -> bytes. Raises `ConfigError` for anything else."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"--device-memory {text!r} is not a size; write e.g. 24GiB, 80GB or 16000MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units, e.g. '1.50 GiB'."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def accelerator_memory() -> Optional[Tuple[int, str]]:
+    """(bytes, device name) of the first visible accelerator (CUDA, then MPS), or None."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return int(props.total_memory), f"cuda:0 {props.name}"
+    if torch.backends.mps.is_available():
+        return int(torch.mps.recommended_max_memory()), "mps"
+    return None
+
+
+def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The causal LM of `config` with every tensor on the meta device: shapes, no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def model_dtype(cfg: DictConfig, config: Any) -> torch.dtype:
+    """The dtype `gradian index` loads the model in."""
+    name = cfg.model.dtype
+    if name == "auto":
+        name = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace("torch.", "")
+    return getattr(torch, name)
+
+
+def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool) -> int:
+    """Bytes autograd keeps for backward in one forward of `tokens` tokens through `layers` layers."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = model.to_empty(device="cpu")  # real storage, random values: only sizes matter here
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:  # weights are saved too, but they are not activations
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, min(100, config.vocab_size), (1, tokens))
+    no_logits = torch.zeros(1, tokens, dtype=torch.bool)  # the logits are accounted for separately
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=no_logits, use_cache=False)
+    return sum(saved.values())
+
+
+def activation_bytes_per_token(config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32) -> int:
+    """Bytes of activations kept for backward per token (prompt, completion and padding alike).
+
+    Measured, not modelled: one forward of a 1-layer and a 2-layer copy of the architecture (random
+    weights, full width) under `saved_tensors_hooks`; the difference is one layer's share, scaled to
+    every layer, plus what the 1-layer model keeps outside its layer.
+    """
+    one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code)
+    two = _saved_activation_bytes(config, 2, dtype, tokens, trust_remote_code)
+    per_layer = two - one
+    return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
+
+
+def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int) -> int:
+    """Predicted peak of one indexing batch: weights + activations + LOGIT_PEAK_COPIES × fp32 logits.
+
+    `tokens` counts every position of the padded batch (batch × padded length).
+    """
+    return int(weights + tokens * act_per_token + LOGIT_PEAK_COPIES * fp32_logit_bytes(n_supervised, vocab_size))
+
+
+def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: int, weights: int, act_per_token: int, memory_bytes: int) -> int:
+    """Largest b whose worst-case batch fits in `memory_bytes`: the b rows with most supervised
+    tokens (`counts_desc`, sorted descending), padded to the longest row. 0 when one row does not fit."""
+    b = np.arange(1, len(counts_desc) + 1, dtype=np.int64)
+    worst = np.cumsum(np.asarray(counts_desc, dtype=np.int64))
+    need = weights + b * longest * act_per_token + LOGIT_PEAK_COPIES * worst * vocab_size * FP32_BYTES
+    fits = np.flatnonzero(need <= memory_bytes)
+    return int(fits[-1] + 1) if len(fits) else 0
+
+
+def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str, Any]:
+    """Everything `gradian plan` prints, as plain data (bytes are ints).
+
+    `device_memory` (bytes) defaults to the visible accelerator's memory, unless trainer.accelerator
+    is cpu; without either, no fitting batch size is computed.
+    """
+    from gradian_lightning.indexing import load_tokenizer_and_config
+
+    require(cfg, "model.name_or_path", "data.train")
+    rows = read_jsonl(cfg.data.train)
+    tokenizer, config = load_tokenizer_and_config(cfg.model)
+    g = cfg.grads
+    examples = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train)).examples
+    model = meta_model(config, cfg.model.trust_remote_code)
+    vocab = int(model.get_output_embeddings().out_features)
+    projector = KroneckerProjector(select_modules(model, module_patterns(g.module_filter)), g.projection_dim, g.seed)
+    dtype = model_dtype(cfg, config)
+    weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code)
+
+    counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
+    lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
+    desc = np.sort(counts)[::-1]
+    b = min(g.batch_size, len(counts))
+    batches = [slice(i, i + g.batch_size) for i in range(0, len(counts), g.batch_size)]
+    in_order = max(int(counts[s].sum()) for s in batches)
+    worst = fp32_logit_bytes(int(desc[:b].sum()), vocab)
+    source = "--device-memory"
+    if device_memory is None and str(cfg.trainer.get("accelerator", "auto")) != "cpu":
+        found = accelerator_memory()
+        if found is not None:
+            device_memory, source = found[0], found[1]
+    return {
+        "model": str(cfg.model.name_or_path),
+        "data": str(cfg.data.train),
+        "rows": len(counts),
+        "batch_size": g.batch_size,
+        "max_seq_length": g.max_seq_length,
+        "vocab_size": vocab,
+        "supervised_tokens": {"max": int(counts.max()), "p95": float(np.percentile(counts, 95)), "mean": float(counts.mean()), "min": int(counts.min())},
+        "truncated_rows": int(sum(e.truncated_tokens > 0 for e in examples)),
+        "empty_rows": int((counts == 0).sum()),
+        "fp32_logits_bytes": {
+            "worst_case": worst,
+            "typical": int(round(b * counts.mean() * vocab * FP32_BYTES)),
+            "largest_batch_in_index_order": fp32_logit_bytes(in_order, vocab),
+        },
+        "weights_bytes": int(weights),
+        "activation_bytes_per_token": act,
+        "logit_peak_copies": LOGIT_PEAK_COPIES,
+        "peak_bytes": {
+            "worst_case": peak_bytes(weights, b * int(lengths.max()), act, int(desc[:b].sum()), vocab),
+            "typical": int(round(weights + b * lengths.mean() * act + LOGIT_PEAK_COPIES * b * counts.mean() * vocab * FP32_BYTES)),
+            "largest_batch_in_index_order": max(peak_bytes(weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab) for s in batches),
+        },
+        "device_memory": None if device_memory is None else {"bytes": int(device_memory), "source": source},
+        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory),
+        "index": {
+            "modules": len(projector.blocks),
+            "width": projector.width,
+            "bytes_by_storage_dtype": {d: len(counts) * projector.width * STORAGE_ITEMSIZE[d] for d in STORAGE_DTYPES},
+        },
+    }
+
+
+def format_plan(plan: Dict[str, Any]) -> str:
+    """The plan as the lines `gradian plan` prints."""
+    s, f = plan["supervised_tokens"], plan["fp32_logits_bytes"]
+    n, copies = plan["rows"], plan["logit_peak_copies"]
+    lines = [
+        f"gradian plan: {n} rows of {plan['data']} at grads.max_seq_length={plan['max_seq_length']}, model {plan['model']} (vocab {plan['vocab_size']:,})",
+        f"  supervised tokens per row: max {s['max']}, p95 {s['p95']:.1f}, mean {s['mean']:.1f}, min {s['min']}",
+        f"  rows cut by grads.max_seq_length: {plan['truncated_rows']} ({100.0 * plan['truncated_rows'] / n:.1f}%); rows left with nothing supervised: {plan['empty_rows']}",
+        f"  fp32 logits at grads.batch_size={plan['batch_size']} (supervised tokens × vocab × 4 bytes):",
+        f"    worst case (the {min(plan['batch_size'], n)} rows with most supervised tokens): {human_bytes(f['worst_case'])}",
+        f"    typical (batch_size × mean): {human_bytes(f['typical'])}",
+        f"    largest batch in gradian index's order: {human_bytes(f['largest_batch_in_index_order'])}",
+        f"  activations kept for backward: {human_bytes(plan['activation_bytes_per_token'])} per token (prompt and padding included)",
+        f"  predicted peak (weights {human_bytes(plan['weights_bytes'])} + activations + {copies} × fp32 logits): "
+        f"worst case {human_bytes(plan['peak_bytes']['worst_case'])}, typical {human_bytes(plan['peak_bytes']['typical'])}, "
+        f"largest batch in gradian index's order {human_bytes(plan['peak_bytes']['largest_batch_in_index_order'])}",
+    ]
+    memory = plan["device_memory"]
+    if memory is None:
+        lines.append("  largest batch size that fits: unknown (no accelerator visible); pass --device-memory, e.g. --device-memory 24GiB")
+    else:
+        fits = plan["largest_batch_size_that_fits"]
+        what = f"{fits}" + (" (every row at once)" if fits >= n else "") if fits else "0: not even the largest row fits; lower grads.max_seq_length or use a larger device"
+        lines.append(f"  largest batch size that fits {human_bytes(memory['bytes'])} ({memory['source']}): {what}")
+    ix = plan["index"]
+    sizes = ", ".join(f"{d} {human_bytes(b)}" for d, b in ix["bytes_by_storage_dtype"].items())
+    lines.append(f"  index on disk ({n} rows × width {ix['width']:,} from {ix['modules']} modules, uncompressed): {sizes}")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""Bad input gets one clear line and loses nothing; NaN never lands in the index silently."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from gradian_lightning import open_index
+from gradian_lightning.cli import main
+from gradian_lightning.data import read_jsonl
+from gradian_lightning.errors import DataError
+from gradian_lightning.plan import fp32_logit_bytes
+
+from conftest import ROWS, make_model, write_jsonl
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("gradian ")]
+    assert len(lines) == (code != 0), err  # an error is exactly one line
+    return code, out, lines[0] if lines else ""
+
+
+def index_args(tmp_path, model_dir, data, *more):
+    return ["index", "configs/smollm2.yaml", f"model.name_or_path={model_dir}", f"data.train={data}", f"index.path={tmp_path / 'ix'}",
+            "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", *more]
+
+
+def test_undecodable_data_file(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="cannot be read as UTF-8 text"):
+        read_jsonl(bad)
+
+
+def test_projection_dim_wider_than_a_module(tmp_path, saved_model, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    code, _, err = run(capsys, *index_args(tmp_path, saved_model, data, "grads.projection_dim=1000"))
+    assert code == 2 and "setting 'grads.projection_dim'=1000 exceeds module 'model.layers.0.mlp.down_proj' (32×64); use at most 32" in err
+
+
+def test_bad_data_loses_no_existing_index(tmp_path, saved_model, capsys):
+    good = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    assert run(capsys, *index_args(tmp_path, saved_model, good))[0] == 0
+    before = open_index(tmp_path / "ix").rows(slice(None))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "the sky"}\n{"text": "the sea"\n')
+    code, _, err = run(capsys, *index_args(tmp_path, saved_model, broken))
+    assert code == 2 and err == f"gradian index: error: {broken}:2: malformed JSON (Expecting ',' delimiter); each line must be one JSON object"
+    after = open_index(tmp_path / "ix")
+    assert after.meta["complete"] and torch.equal(after.rows(slice(None)), before)
+
+
+def test_model_that_needs_remote_code_says_to_trust_it(tmp_path, saved_model, capsys):
+    custom = tmp_path / "custom"
+    shutil.copytree(saved_model, custom)
+    (custom / "config.json").write_text('{"model_type": "my_custom_lm", "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}}')
+    (custom / "configuration_x.py").write_text("raise SystemExit('remote code ran')\n")
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    for command in ("index", "plan"):
+        code, _, err = run(capsys, command, "configs/smollm2.yaml", f"model.name_or_path={custom}", f"data.train={data}", f"index.path={tmp_path / 'ix'}")
+        assert code == 2 and f"model {str(custom)!r} ships its own code; if you trust it, pass model.trust_remote_code=true" in err
+    assert not (tmp_path / "ix").exists()
+
+
+def test_nonfinite_gradients_are_counted_named_and_not_stored(tmp_path, tokenizer, capsys):
+    model = make_model(len(tokenizer))
+    cairo = tokenizer.convert_tokens_to_ids("cairo")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[cairo] = float("nan")  # only the row that contains "cairo" sees it
+    model_dir = tmp_path / "nan-model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rows = ROWS[:3] + [{"id": "broken", "prompt": "what city ?", "completion": " cairo"}] + ROWS[3:]
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    code, out, _ = run(capsys, *index_args(tmp_path, model_dir, data, "grads.batch_size=3"))
+    assert code == 0
+    assert "rows with NaN/inf gradients (stored as zeros, excluded from ranking): 1 -> rows 3 (id 'broken')" in out
+    index = open_index(tmp_path / "ix")
+    assert np.flatnonzero(~index.column("finite")).tolist() == [3]
+    grads = index.rows(slice(None))
+    assert torch.isfinite(grads).all() and grads[3].abs().sum() == 0 and (grads[[0, 1, 2, 4]].abs().sum(dim=1) > 0).all()
+
+
+def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model, tokenizer, capsys, monkeypatch):
+    import gradian_lightning.callback as callback
+
+    calls = []
+
+    def out_of_memory(model, batch, *args, **kwargs):
+        calls.append(batch)
+        if len(calls) == 2:  # the second batch fails, as a long batch would
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        from gradian_lightning.gradients import projected_gradients
+
+        return projected_gradients(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(callback, "projected_gradients", out_of_memory)
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    code, _, err = run(capsys, *index_args(tmp_path, saved_model, data, "grads.batch_size=3", "grads.max_seq_length=20"))
+    assert code == 2
+    failed = calls[1]["labels"]
+    n_supervised = int((failed[:, 1:] != -100).sum())
+    vocab = len(tokenizer)
+    want_bytes = fp32_logit_bytes(n_supervised, vocab)
+    from gradian_lightning.plan import human_bytes
+
+    assert err.startswith("gradian index: error: device out of memory indexing rows 3-5: a batch of 3 rows (grads.batch_size=3, grads.max_seq_length=20")
+    assert f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {human_bytes(want_bytes)}" in err
+    levers = ["lower grads.batch_size first", "then grads.max_seq_length", "grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor"]
+    assert all(lever in err for lever in levers) and err.index(levers[0]) < err.index(levers[1])
+    # nothing lost: the first batch's rows are kept for the rerun, the index is not marked complete
+    group = zarr.open_group(str(tmp_path / "ix"))
+    assert group.attrs["gradian"]["complete"] is False
+
+
+def test_other_runtime_errors_pass_through(tmp_path, saved_model, capsys, monkeypatch):
+    import gradian_lightning.callback as callback
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(callback, "projected_gradients", broken)
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        main(index_args(tmp_path, saved_model, data))

@@ -1,0 +1,128 @@
+"""`gradian plan` against what indexing really allocates, and the accelerator-OOM error."""
+
+import json
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader
+
+from gradian_lightning.cli import main
+from gradian_lightning.config import load_config
+from gradian_lightning.data import collate
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.indexing import load_model_and_tokenizer
+from gradian_lightning.loss import supervised_token_loss
+from gradian_lightning.plan import LOGIT_PEAK_COPIES, activation_bytes_per_token, largest_fitting_batch, make_plan, parse_bytes
+
+from conftest import ROWS, make_model, write_jsonl
+
+VOCAB = 4096  # larger than the tokenizer's: the logits must be the biggest tensor, as in real models
+
+
+@pytest.fixture
+def wide_model(tmp_path_factory, tokenizer):
+    out = tmp_path_factory.mktemp("wide-llama")
+    make_model(VOCAB).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def config(tmp_path, model_dir, rows, *more):
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    return load_config("configs/smollm2.yaml", [f"model.name_or_path={model_dir}", f"data.train={data}", "model.dtype=bfloat16", *more])
+
+
+def upcast_bytes(model, batch):
+    """Bytes the CPU allocator handed to the fp32 upcast of the logits in one loss + backward."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.enable_grad():
+        supervised_token_loss(model, batch).sum().backward()
+    return max(e.cpu_memory_usage for e in prof.events() if e.name == "aten::_to_copy")
+
+
+def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_model, tokenizer):
+    rows = ROWS + [{"prompt": "the capital", "completion": " " + " ".join(["one"] * 30)}]
+    cfg = config(tmp_path, wide_model, rows, "grads.batch_size=3", "grads.max_seq_length=24", "trainer.accelerator=cpu")
+    plan = make_plan(cfg)
+    model, tok = load_model_and_tokenizer(cfg.model)
+    assert plan["vocab_size"] == VOCAB and next(model.parameters()).dtype == torch.bfloat16
+    from gradian_lightning.data import JsonlDataset
+
+    examples = JsonlDataset(rows, tok, 24).examples
+    # the batches gradian index makes, in its order: the largest upcast is the plan's
+    loader = DataLoader(examples, batch_size=3, shuffle=False, collate_fn=partial(collate, pad_token_id=0))
+    measured = [upcast_bytes(model, batch) for batch in loader]
+    assert max(measured) == plan["fp32_logits_bytes"]["largest_batch_in_index_order"]
+    # worst case: the 3 rows with the most supervised tokens, batched together
+    counts = np.array([sum(l != -100 for l in e.labels[1:]) for e in examples])
+    top = [examples[i] for i in np.argsort(-counts, kind="stable")[:3]]
+    assert upcast_bytes(model, collate(top)) == plan["fp32_logits_bytes"]["worst_case"]
+    s = plan["supervised_tokens"]
+    assert (s["max"], s["mean"], s["p95"]) == (counts.max(), pytest.approx(counts.mean()), pytest.approx(np.percentile(counts, 95)))
+    assert plan["truncated_rows"] == 1 and plan["empty_rows"] == 0
+    # index size: rows × (modules × k²) × itemsize; 2 layers' down_proj, k = 16
+    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": len(rows) * 2 * 256 * 4, "float16": len(rows) * 2 * 256 * 2, "bfloat16": len(rows) * 2 * 256 * 2}
+
+
+def test_largest_fitting_batch_is_the_budget_boundary():
+    counts, longest, vocab, weights, act = [10, 8, 5, 1], 12, 100, 1000, 7
+    need = lambda b: weights + b * longest * act + LOGIT_PEAK_COPIES * sum(counts[:b]) * vocab * 4  # noqa: E731
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, need(2)) == 2
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, need(2) - 1) == 1
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, need(1) - 1) == 0
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, 10**9) == 4
+
+
+def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
+    """The 1- and 2-layer probe, scaled, against what a 3-layer model saves for 2 rows of 20 tokens."""
+    model = make_model(VOCAB, hidden=64, layers=3)
+    per_token = activation_bytes_per_token(model.config, torch.float32)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(3, len(tokenizer), (2, 20))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=torch.zeros_like(ids, dtype=torch.bool), use_cache=False)
+    assert sum(saved.values()) == pytest.approx(per_token * 40, rel=0.05)
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("80 GB") == 80 * 10**9 and parse_bytes("512") == 512
+    with pytest.raises(ConfigError, match="--device-memory 'lots' is not a size"):
+        parse_bytes("lots")
+
+
+def test_plan_cli_prints_the_numbers_without_loading_weights(tmp_path, wide_model, capsys, monkeypatch):
+    import transformers
+
+    def no_weights(*a, **k):
+        raise AssertionError("plan loaded weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    argv = ["plan", "configs/smollm2.yaml", f"model.name_or_path={wide_model}", f"data.train={data}", "--device-memory", "1MiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "supervised tokens per row: max" in out and "largest batch size that fits 1.00 MiB (--device-memory):" in out
+    assert main(argv + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    weights = sum(p.numel() for p in make_model(VOCAB).parameters()) * 4
+    assert plan["weights_bytes"] == weights and plan["device_memory"]["bytes"] == 2**20
+    counts, longest = sorted_counts(wide_model, ROWS)
+    assert plan["largest_batch_size_that_fits"] == largest_fitting_batch(counts, longest, VOCAB, weights, plan["activation_bytes_per_token"], 2**20)
+
+
+def sorted_counts(model_dir, rows):
+    from transformers import AutoTokenizer
+
+    from gradian_lightning.data import JsonlDataset
+
+    examples = JsonlDataset(rows, AutoTokenizer.from_pretrained(str(model_dir)), 512).examples
+    return sorted((sum(l != -100 for l in e.labels[1:]) for e in examples), reverse=True), max(len(e.input_ids) for e in examples)
