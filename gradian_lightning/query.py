@@ -85,11 +85,15 @@ def streaming_topk(
     top, bottom = empty, empty
     for lo, rows in index.chunks():
         keep = torch.from_numpy(index.rankable(lo, lo + len(rows)))
-        if not bool(keep.any()):
-            continue
-        rows = rows[keep].to(device)
-        positions = (torch.arange(lo, lo + len(keep))[keep]).to(device)
-        scores = queries @ (_unit(rows) if score == "cosine" else rows).T  # [Q, c] float32
+        positions = torch.arange(lo, lo + len(keep))
+        if not bool(keep.all()):  # copying only when some rows must go keeps the common case one pass cheaper
+            if not bool(keep.any()):
+                continue
+            rows, positions = rows[keep], positions[keep]
+        rows, positions = rows.to(device), positions.to(device)
+        scores = queries @ rows.T  # [Q, c] float32
+        if score == "cosine":  # dividing the scores by the row norms saves normalising a copy of the chunk
+            scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(torch.finfo(rows.dtype).tiny)
         top = _merge(top, scores, positions, k, largest=True)
         if bottom_k:
             bottom = _merge(bottom, scores, positions, bottom_k, largest=False)

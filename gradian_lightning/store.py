@@ -34,7 +34,9 @@ from gradian_lightning.errors import ConfigError, IndexFormatError
 
 FORMAT_VERSION = 1
 ATTRIBUTE = "gradian"
-CHUNK_BYTES = 16 * 2**20  # target size of one grads chunk, uncompressed
+# Target size of one grads chunk, uncompressed. 4 MiB keeps a chunk and its float32 upcast in cache
+# while a query scores it: 2x the streaming top-k throughput of 16 MiB (benchmarks/RESULTS.md §5).
+CHUNK_BYTES = 4 * 2**20
 _NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 _ROW_ARRAYS = {
     "id": (str, ""),
@@ -58,7 +60,9 @@ def decode(stored: np.ndarray, storage_dtype: str) -> torch.Tensor:
     """Stored rows -> float32 tensor [b, D]."""
     if storage_dtype == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16).float()
-    return torch.from_numpy(np.asarray(stored, dtype=np.float32))
+    # torch upcasts float16 several times faster than NumPy's astype: it bounds query throughput
+    # (benchmarks/query_throughput.py).
+    return torch.from_numpy(np.ascontiguousarray(stored)).float()
 
 
 def fingerprint(parts: Dict[str, Any]) -> str:
@@ -124,7 +128,11 @@ class IndexWriter:
             else:
                 self.path.unlink()
         group = zarr.open_group(str(self.path), mode="w")
-        group.create_array("grads", shape=(self.num_rows, self.width), chunks=(self.chunk, self.width), dtype=_NUMPY_DTYPE[self.storage_dtype], fill_value=0)
+        # No compressor: zstd saved 7% on float16 gradients (benchmarks/RESULTS.md, index size) but
+        # cut the read rate that bounds query throughput by 3-4x.
+        group.create_array(
+            "grads", shape=(self.num_rows, self.width), chunks=(self.chunk, self.width), dtype=_NUMPY_DTYPE[self.storage_dtype], fill_value=0, compressors=None
+        )
         row_chunk = max(self.chunk, 4096)
         for name, (dtype, fill) in _ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
@@ -200,6 +208,7 @@ class IndexReader:
         self.group = zarr.open_group(str(self.path), mode="r")
         self.grads = self.group["grads"]
         self.storage_dtype = self.meta["storage_dtype"]
+        self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`
 
     def __len__(self) -> int:
         return int(self.meta["num_rows"])
@@ -212,8 +221,15 @@ class IndexReader:
 
     def rankable(self, lo: int, hi: int) -> np.ndarray:
         """Bool [hi - lo]: rows lo..hi-1 that may appear in query results (written, finite, supervised)."""
-        rows = slice(lo, hi)
-        return self.group["complete"][rows] & self.group["finite"][rows] & (self.group["supervised_tokens"][rows] > 0)
+        start, mask = self._mask
+        if not (start <= lo and hi <= start + len(mask)):
+            # Read a whole chunk of the per-row arrays at once: one read serves many grads chunks,
+            # and memory stays bounded by the chunk, not by N.
+            start = lo - lo % self.group["complete"].chunks[0]
+            rows = slice(start, min(max(hi, start + self.group["complete"].chunks[0]), len(self)))
+            mask = self.group["complete"][rows] & self.group["finite"][rows] & (self.group["supervised_tokens"][rows] > 0)
+            self._mask = (start, mask)
+        return mask[lo - start : hi - start]
 
     def topk(self, query_rows: torch.Tensor, k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None) -> Any:
         """The k best rows per query (`query.streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.

@@ -1,0 +1,190 @@
+"""Capture overhead: indexing against a plain forward+backward of the same model on the same batches.
+
+Each variant runs in its own fresh process (so its peak RSS is its own), and the variants are
+interleaved, with the order rotated every repeat, so that drift on a shared machine hits all alike:
+  - plain:  full logits, fp32 cross-entropy summed over supervised tokens, `loss.backward()`
+            (parameter .grad filled, as a training step would), no optimizer step;
+  - index:  `trainer.validate` with a `GradientIndexer` (projection_dim 16, float16 storage) writing
+            a zarr index, for module_filter down_proj / all MLP / all Linear.
+Both processes import the same packages and load the model the same way, so the whole-process wall
+time ratio is the cost a user sees. Ratios are index / plain: below 1 means indexing is cheaper.
+
+`--profile` adds one torch.profiler run of the indexing steps (forward, backward, projection,
+zarr write) on down_proj, replaying what the callback does per batch.
+
+    PYTHONPATH=. python -m benchmarks.capture_overhead                    # tiny Llama and SmolLM2-135M
+    PYTHONPATH=. python -m benchmarks.capture_overhead --smoke --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from functools import partial
+from typing import Any, Dict, List
+
+from benchmarks.common import (
+    command_line, emit, fmt_bytes, load_model, machine, peak_rss_bytes, run_child, synthetic_examples, table, write_result,
+)
+
+FILTERS = {"down_proj": "down_proj", "mlp": "gate_proj,up_proj,down_proj", "all_linear": "*.layers.*"}  # every decoder Linear; lm_head left out
+SETTINGS = {  # model -> (batches, batch size, sequence length)
+    "tiny": (24, 8, 128),
+    "smollm2": (6, 2, 128),
+}
+SMOKE = {"tiny": (2, 2, 16)}
+
+
+def _batches(model, num_batches: int, batch_size: int, seq_len: int):
+    from gradian_lightning.data import collate
+
+    examples = synthetic_examples(num_batches * batch_size, seq_len, model.config.vocab_size)
+    return examples, [collate(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
+
+
+def child(args: argparse.Namespace) -> None:
+    # Both variants import the same things, so process start-up costs the same.
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from gradian_lightning.callback import GradientIndexer
+    from gradian_lightning.data import collate
+    from gradian_lightning.indexing import CausalLMModule
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = load_model(args.model)
+    examples, batches = _batches(model, args.batches, args.batch_size, args.seq_len)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    start = time.perf_counter()
+    if args.variant == "plain":
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+            loss.backward()
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            indexer = GradientIndexer(f"{tmp}/index", FILTERS[args.variant].split(","), projection_dim=args.projection_dim, storage_dtype="float16")
+            trainer = L.Trainer(callbacks=[indexer], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+            loader = DataLoader(examples, batch_size=args.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=0))
+            trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
+            assert indexer.summary and indexer.summary["complete"], indexer.summary
+    loop = time.perf_counter() - start
+    emit({"variant": args.variant, "loop_s": loop, "tokens": tokens, "peak_rss": peak_rss_bytes()})
+
+
+def profile_child(args: argparse.Namespace) -> None:
+    """Per-batch indexing steps under torch.profiler, labelled; prints the time per label."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from gradian_lightning.capture import LinearCapture, select_modules
+    from gradian_lightning.loss import supervised_targets, supervised_token_loss
+    from gradian_lightning.projection import KroneckerProjector
+    from gradian_lightning.store import IndexWriter
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model)
+    examples, batches = _batches(model, args.batches, args.batch_size, args.seq_len)
+    modules = select_modules(model, FILTERS[args.variant].split(","))
+    projector = KroneckerProjector(modules, args.projection_dim, 0)
+    capture = LinearCapture(modules)
+    labels = ("forward", "backward", "projection", "zarr write")
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = IndexWriter(f"{tmp}/index", len(examples), projector.width, "float16", {"fingerprint": "bench"})
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for batch in batches:
+                with capture:
+                    with record_function("forward"):
+                        losses = supervised_token_loss(model, batch)
+                    with record_function("backward"):
+                        grads = capture.output_grads(losses.sum())
+                with record_function("projection"):
+                    token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
+                    rows = projector.project(capture.inputs, grads, batch["input_ids"].shape[0], token_rows)
+                capture.clear()
+                with record_function("zarr write"):
+                    n = rows.shape[0]
+                    writer.write(batch["index"].numpy(), rows, losses.detach(), torch.full((n,), 1), torch.full((n,), 0), batch["id"])
+            with record_function("zarr write"):
+                writer.close()
+        total = time.perf_counter() - start
+    seconds = {label: 0.0 for label in labels}
+    for event in prof.key_averages():
+        if event.key in seconds:
+            seconds[event.key] = event.cpu_time_total / 1e6
+    emit({"total_s": total, "seconds": seconds})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="plain")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--projection-dim", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: the machine is shared, and oversubscribed OpenMP threads distort ratios)")
+    parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="also profile where indexing time goes")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens, one repeat: seconds")
+    parser.add_argument("--out", default=None, help="directory for the Markdown result (default benchmarks/results)")
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    if args.profile_child:
+        return profile_child(args)
+
+    settings = SMOKE if args.smoke else {m: SETTINGS[m] for m in args.models.split(",")}
+    repeats = 1 if args.smoke else args.repeats
+    filters = ["down_proj"] if args.smoke else list(FILTERS)
+    variants = ["plain", *filters]
+    rows: List[List[Any]] = []
+    profiles: List[List[Any]] = []
+    for model, (batches, batch_size, seq_len) in settings.items():
+        common = ["--model", model, "--batches", str(batches), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--projection-dim", str(args.projection_dim), "--threads", str(args.threads)]
+        runs: Dict[str, List[Dict[str, Any]]] = {v: [] for v in variants}
+        for r in range(repeats):
+            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            for variant in order:
+                result = run_child("benchmarks.capture_overhead", [*common, "--variant", variant])
+                print(f"{model} repeat {r} {variant}: loop {result['loop_s']:.2f} s, process {result['process_wall_s']:.2f} s, peak RSS {fmt_bytes(result['peak_rss'])}", flush=True)
+                runs[variant].append(result)
+        plain = runs["plain"]
+        p_proc = statistics.median(x["process_wall_s"] for x in plain)
+        p_loop = statistics.median(x["loop_s"] for x in plain)
+        p_rss = statistics.median(x["peak_rss"] for x in plain)
+        tokens = plain[0]["tokens"]
+        rows.append([model, "plain fwd+bwd", f"{tokens / p_loop:.0f}", f"{p_proc:.1f}", fmt_bytes(p_rss), "1.00", "1.00", "1.00"])
+        for variant in filters:
+            i_proc = statistics.median(x["process_wall_s"] for x in runs[variant])
+            i_loop = statistics.median(x["loop_s"] for x in runs[variant])
+            i_rss = statistics.median(x["peak_rss"] for x in runs[variant])
+            rows.append([model, f"index {variant}", f"{tokens / i_loop:.0f}", f"{i_proc:.1f}", fmt_bytes(i_rss), f"{i_proc / p_proc:.2f}", f"{i_loop / p_loop:.2f}", f"{i_rss / p_rss:.2f}"])
+        if args.profile or args.smoke:
+            prof = run_child("benchmarks.capture_overhead", [*common, "--variant", "down_proj"], flag="--profile-child")
+            total = prof["total_s"]
+            parts = prof["seconds"]
+            other = total - sum(parts.values())
+            profiles.append([model, *(f"{parts[k]:.2f} ({100 * parts[k] / total:.0f}%)" for k in parts), f"{other:.2f} ({100 * other / total:.0f}%)", f"{total:.2f}"])
+    m = machine()
+    header = ["model", "variant", "tokens/s (loop)", "process wall s", "peak RSS", "wall ratio (process)", "time ratio (loop)", "peak RSS ratio"]
+    body = f"projection_dim {args.projection_dim}, storage float16, {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; " \
+           + "; ".join(f"{k}: {b} batches × {bs} rows × {s} tokens" for k, (b, bs, s) in settings.items()) + ".\n\n" + table(header, rows)
+    if profiles:
+        body += "\n\nWhere indexing time goes (down_proj, torch.profiler, seconds of CPU time per labelled step):\n\n"
+        body += table(["model", "forward", "backward", "projection", "zarr write", "other", "total s"], profiles)
+    write_result("capture_overhead", command_line(), body, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Shared pieces of the benchmark scripts: machine description, fresh-subprocess runs, peak RSS,
+models and synthetic batches, and Markdown tables. Plain Python; no timing assertions anywhere.
+
+Every script prints its tables and writes them to `benchmarks/results/<name>.md` (or `--out DIR`),
+ready to paste into benchmarks/RESULTS.md together with the command and the machine line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SMOLLM2 = Path(os.environ.get("GRADIAN_SMOLLM2", Path.home() / ".cache" / "gradian" / "smollm2-135m-instruct"))
+
+
+def machine() -> Dict[str, str]:
+    """What the figures were measured on: cores, CPU model, RAM, date (UTC), versions."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = "unknown"
+    try:
+        kib = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
+        ram = f"{kib / 2**20:.1f} GiB"
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "ram": ram,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": commit or "unknown",
+    }
+
+
+def machine_line(info: Optional[Dict[str, str]] = None) -> str:
+    m = info or machine()
+    return f"{m['nproc']} cores ({m['cpu']}), {m['ram']} RAM, torch {m['torch']}, Python {m['python']}, commit {m['commit']}, {m['date']}"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size since start (or since `reset_peak_rss`), bytes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("no VmRSS in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def run_child(module: str, args: Sequence[str], timeout: float = 3600, flag: str = "--child") -> Dict[str, Any]:
+    """Run `python -m module --child args...` (or another `flag`) in a fresh process; its last stdout line is JSON.
+
+    Returns that JSON plus `process_wall_s` (whole-process wall time seen from here, seconds).
+    """
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", module, flag, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["process_wall_s"] = wall
+    return result
+
+
+def emit(result: Dict[str, Any]) -> None:
+    """The child's answer to `run_child`: one JSON line on stdout."""
+    print(json.dumps(result), flush=True)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(name: str, command: str, body: str, out: Optional[str] = None) -> Path:
+    """Print `body` and write it, headed by the command and machine, to `<out>/<name>.md`."""
+    directory = Path(out) if out else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    text = f"Command: `{command}`\n\nMachine: {machine_line()}\n\n{body.strip()}\n"
+    path = directory / f"{name}.md"
+    path.write_text(text)
+    print(text)
+    print(f"(written to {path})")
+    return path
+
+
+def command_line() -> str:
+    return "PYTHONPATH=. python -m " + " ".join([Path(sys.argv[0]).with_suffix("").relative_to(ROOT).as_posix().replace("/", "."), *sys.argv[1:]])
+
+
+def tiny_llama(vocab_size: int = 2048, hidden: int = 128, layers: int = 4, seed: int = 0):
+    """A random-init Llama, the "tiny" benchmark model (float32, eval mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def smollm2(layers: Optional[int] = None):
+    """SmolLM2-135M-Instruct (float32, eval mode), optionally only its first `layers` decoder layers."""
+    from transformers import AutoModelForCausalLM
+
+    if not (SMOLLM2 / "model.safetensors").is_file():
+        raise SystemExit(f"SmolLM2 not found at {SMOLLM2}; build it with ../shared/models/make-smollm2.sh or set GRADIAN_SMOLLM2")
+    kwargs = {} if layers is None else {"num_hidden_layers": layers}
+    import torch
+
+    return AutoModelForCausalLM.from_pretrained(str(SMOLLM2), dtype=torch.float32, **kwargs).eval()
+
+
+def load_model(name: str, layers: Optional[int] = None):
+    """`tiny` or `smollm2`."""
+    if name == "tiny":
+        return tiny_llama()
+    if name == "smollm2":
+        return smollm2(layers)
+    raise SystemExit(f"unknown model {name!r}; use tiny or smollm2")
+
+
+def synthetic_examples(num: int, seq_len: int, vocab_size: int, supervised_fraction: float = 0.5, seed: int = 0) -> List[Any]:
+    """`num` examples of exactly `seq_len` random tokens; the last `supervised_fraction` is supervised."""
+    import torch
+
+    from gradian_lightning.data import IGNORE_INDEX, Example
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (num, seq_len), generator=generator)
+    prompt = seq_len - max(1, round(seq_len * supervised_fraction))
+    out = []
+    for i in range(num):
+        row = ids[i].tolist()
+        out.append(Example(i, f"ex{i}", row, [IGNORE_INDEX] * prompt + row[prompt:], 0))
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+_MEASURE = (
+    "import json, resource, subprocess, sys, time\n"
+    "start = time.perf_counter()\n"
+    "done = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+    "wall = time.perf_counter() - start\n"
+    "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
+    "print(json.dumps({'rc': done.returncode, 'wall_s': wall, 'peak_rss': rss, 'stdout': done.stdout[-3000:], 'stderr': done.stderr[-6000:]}))\n"
+)
+
+
+def measure_command(cmd: Sequence[str], env: Optional[Dict[str, str]] = None, cwd: Optional[Path] = None) -> Dict[str, Any]:
+    """Run `cmd` under a fresh watcher process: wall time (s), peak RSS of its largest process
+    (bytes), exit code and output tails. The watcher is new, so no earlier run's peak leaks in."""
+    done = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True, env=env, cwd=cwd)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-4000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bytes_on_disk(path: Path) -> int:
+    """Sum of the sizes of the files under `path`, bytes."""
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
