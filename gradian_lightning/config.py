@@ -19,6 +19,7 @@ from gradian_lightning.errors import ConfigError
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCORES = ("cosine", "inner")
+NORMALIZE = ("module", "row")
 
 
 @dataclass
@@ -57,6 +58,7 @@ class QueryConfig:
     top_k: int = 10
     bottom_k: int = 0
     score: str = "cosine"
+    normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
     output: Optional[str] = None
 
 
@@ -147,6 +149,7 @@ def validate(cfg: DictConfig) -> None:
     _check(q.top_k >= 1, "query.top_k", q.top_k, "an integer >= 1")
     _check(q.bottom_k >= 0, "query.bottom_k", q.bottom_k, "an integer >= 0")
     _check(q.score in SCORES, "query.score", q.score, " or ".join(SCORES))
+    _check(q.normalize in NORMALIZE, "query.normalize", q.normalize, " or ".join(NORMALIZE))
     _check(bool(str(cfg.index.path).strip()), "index.path", cfg.index.path, "a directory path for the zarr index")
 
 

@@ -231,15 +231,18 @@ class IndexReader:
             self._mask = (start, mask)
         return mask[lo - start : hi - start]
 
-    def topk(self, query_rows: torch.Tensor, k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None) -> Any:
+    def topk(
+        self, query_rows: torch.Tensor, k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None, normalize: str = "module"
+    ) -> Any:
         """The k best rows per query (`query.streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
 
         `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`; `score` is
-        "cosine" or "inner". The index is streamed chunk by chunk.
+        "cosine" or "inner"; `normalize` ("module" or "row") is what cosine scales to unit norm.
+        The index is streamed chunk by chunk.
         """
         from gradian_lightning.query import streaming_topk
 
-        top, bottom = streaming_topk(self, query_rows, k, score, bottom_k, device)
+        top, bottom = streaming_topk(self, query_rows, k, score, bottom_k, device, normalize)
         return (top, bottom) if bottom_k else top
 
     def rows(self, indices: Sequence[int] | slice) -> torch.Tensor:

@@ -23,31 +23,39 @@ from conftest import ROWS, make_model, write_jsonl
 META = {"fingerprint": "t", "global_step": 0}
 
 
-def build_index(path, grads, supervised=None, written=None, ids=None, storage_dtype="float32"):
+def build_index(path, grads, supervised=None, written=None, ids=None, storage_dtype="float32", modules=None):
     """An index of rows `grads` [N, D]; rows not in `written` are left unwritten (complete=False)."""
     n, d = grads.shape
     supervised = torch.full((n,), 3) if supervised is None else supervised
-    writer = IndexWriter(path, n, d, storage_dtype, META)
+    writer = IndexWriter(path, n, d, storage_dtype, {**META, **({"modules": modules} if modules else {})})
     for i in range(n) if written is None else written:
         writer.write([i], grads[i : i + 1], torch.zeros(1), supervised[i : i + 1], torch.zeros(1), [ids[i] if ids else str(i)])
     writer.close()
     return open_index(path)
 
 
-def argsort_ranking(queries, rows, valid, k, score, largest=True):
-    """The reference: score every row at once in float64 numpy, drop invalid rows, argsort."""
+def argsort_ranking(queries, rows, valid, k, score, largest=True, blocks=None):
+    """The reference: score every row at once in float64 numpy, drop invalid rows, argsort.
+
+    With `blocks` [(offset, size)], cosine is the mean over blocks of the per-block cosines."""
     q, r = queries.double().numpy(), rows.double().numpy()
     if score == "cosine":
-        q = q / np.linalg.norm(q, axis=1, keepdims=True)
-        r = r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-300)
-    scores = q @ r.T
+        cosines = []
+        for lo, size in blocks or [(0, q.shape[1])]:
+            qb, rb = q[:, lo : lo + size], r[:, lo : lo + size]
+            qb = qb / np.maximum(np.linalg.norm(qb, axis=1, keepdims=True), 1e-300)
+            rb = rb / np.maximum(np.linalg.norm(rb, axis=1, keepdims=True), 1e-300)
+            cosines.append(qb @ rb.T)
+        scores = np.mean(cosines, axis=0)
+    else:
+        scores = q @ r.T
     scores[:, ~valid] = -np.inf if largest else np.inf
     order = np.argsort(-scores if largest else scores, axis=1, kind="stable")[:, : min(k, int(valid.sum()))]
     return order, np.take_along_axis(scores, order, axis=1)
 
 
-@pytest.mark.parametrize("score", ["cosine", "inner"])
-def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeypatch, score):
+@pytest.mark.parametrize("score, normalize", [("cosine", "module"), ("cosine", "row"), ("inner", "module")])
+def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeypatch, score, normalize):
     n, d, chunk = 23, 8, 5  # 23 is not a multiple of 5: the last chunk holds 3 rows
     monkeypatch.setattr(store, "CHUNK_BYTES", chunk * d * 4)
     g = torch.Generator().manual_seed(0)
@@ -55,7 +63,9 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     grads[11] = float("nan")  # stored as zeros, finite=False
     supervised = torch.full((n,), 3)
     supervised[[4, 5, 19]] = 0  # 4, 5 straddle a chunk edge
-    index = build_index(tmp_path / "ix", grads, supervised, written=[i for i in range(n) if i != 8])
+    blocks = [(0, 3), (3, 5)]  # two "modules" of unequal width
+    index = build_index(tmp_path / "ix", grads, supervised, written=[i for i in range(n) if i != 8], modules=[{"offset": o, "size": z} for o, z in blocks])
+    reference_blocks = blocks if normalize == "module" else None
     valid = np.ones(n, dtype=bool)
     valid[[4, 5, 8, 11, 19]] = False
     assert (index.rankable(0, n) == valid).all()
@@ -65,12 +75,12 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     monkeypatch.setattr(index, "rows", lambda where: reads.append(where) or rows(where))
     for k in (1, 4, 5, 7, int(valid.sum()), n, 40):  # k = rankable rows, k = N and k > N
         reads.clear()
-        top, bottom = streaming_topk(index, queries, k, score, bottom_k=k)
-        want_i, want_s = argsort_ranking(queries, grads, valid, k, score)
+        top, bottom = streaming_topk(index, queries, k, score, bottom_k=k, normalize=normalize)
+        want_i, want_s = argsort_ranking(queries, grads, valid, k, score, blocks=reference_blocks)
         assert top.indices.shape == (4, min(k, 18))
         np.testing.assert_array_equal(top.indices.numpy(), want_i)
         np.testing.assert_allclose(top.scores.numpy(), want_s, rtol=1e-5, atol=1e-6)
-        want_i, want_s = argsort_ranking(queries, grads, valid, k, score, largest=False)
+        want_i, want_s = argsort_ranking(queries, grads, valid, k, score, largest=False, blocks=reference_blocks)
         np.testing.assert_array_equal(bottom.indices.numpy(), want_i)
         np.testing.assert_allclose(bottom.scores.numpy(), want_s, rtol=1e-5, atol=1e-6)
         # Streaming: the index is read one chunk at a time, never more than a chunk of rows at once.
@@ -92,6 +102,8 @@ def test_inner_and_cosine_on_hand_built_rows(tmp_path):
         index.topk(torch.ones(1, 3), 1)
     with pytest.raises(ConfigError, match="query.score"):
         index.topk(query, 1, score="dot")
+    with pytest.raises(ConfigError, match="'query.normalize'='layer' is not allowed; use module or row"):
+        index.topk(query, 1, normalize="layer")
 
 
 @pytest.fixture
