@@ -2,8 +2,8 @@
 
 Real rows: SmolLM2-135M-Instruct loss gradients of the first `--rows` quickstart train rows,
 captured once for every Linear (inputs and output-gradients per token) and projected for each
-setting from those factors. Each setting is written with `IndexWriter` (store.py), zarr's default
-codec for the grads array, and measured on disk:
+setting from those factors. Each setting is written with `IndexWriter` (store.py: the grads array is stored without a
+compressor, the per-row arrays with zarr's default), and measured on disk:
   - raw bytes/row     = width × itemsize (what the row is before compression),
   - grads bytes/row   = on-disk bytes of the grads array / rows,
   - index bytes/row   = on-disk bytes of the whole index (ids, losses, flags, metadata) / rows,

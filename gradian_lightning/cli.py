@@ -84,7 +84,7 @@ def _query(args: argparse.Namespace) -> None:
     answer = run_query(cfg)
     _print_query_table(answer["results"], answer["queries"], answer["train_rows"])
     where = f"; written to {cfg.query.output}" if cfg.query.output else " (set query.output=FILE.jsonl to keep them)"
-    print(f"\ngradian query: {len(answer['results'])} queries ranked against {len(answer['index'])} rows of {cfg.index.path} by {cfg.query.score} score on {answer['device']}{where}")
+    print(f"\ngradian query: {len(answer['results'])} queries ranked against {len(answer['index'])} rows of {cfg.index.path} by {cfg.query.score}{' (per module)' if cfg.query.score == 'cosine' and cfg.query.normalize == 'module' else ''} score on {answer['device']}{where}")
 
 
 def _quickstart(args: argparse.Namespace) -> None:
@@ -97,13 +97,6 @@ def _quickstart(args: argparse.Namespace) -> None:
     print(f"\ngradian quickstart: {n} queries, each a paraphrase of one training row (its planted source); full top-10 in {result['results_path']}")
     for k in (1, 10):
         print(f"  recall@{k}: {result[f'recall@{k}']:.3f} ({round(result[f'recall@{k}'] * n)}/{n} queries have their source in the top {k})")
-
-
-def _add_query_parser(commands: argparse._SubParsersAction) -> None:
-    query = commands.add_parser("query", help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)")
-    query.add_argument("config", help="YAML config file (see configs/); index.path names the index")
-    query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
-    query.set_defaults(run=_query)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -124,7 +117,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     doctor.add_argument("overrides", nargs="*", help="key=value settings")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(run=_doctor)
-    _add_query_parser(commands)
+    query = commands.add_parser("query", help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)")
+    query.add_argument("config", help="YAML config file (see configs/); index.path names the index")
+    query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
+    query.set_defaults(run=_query)
     quick = commands.add_parser("quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)")
     quick.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     quick.set_defaults(run=_quickstart)
