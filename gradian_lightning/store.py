@@ -103,8 +103,10 @@ class IndexWriter:
     def __init__(self, path: str | Path, num_rows: int, width: int, storage_dtype: str, meta: Dict[str, Any], overwrite: bool = False) -> None:
         self.path, self.num_rows, self.width, self.storage_dtype = Path(path), num_rows, width, storage_dtype
         self.meta = {**meta, "format_version": FORMAT_VERSION, "num_rows": num_rows, "width": width, "storage_dtype": storage_dtype, "complete": False}
-        self.chunk = chunk_rows(width, storage_dtype)
+        # A chunk never outgrows the index: uncompressed, the padding of a partial chunk is written out.
+        self.chunk = min(chunk_rows(width, storage_dtype), max(num_rows, 1))
         self.group = self._open_or_create(overwrite)
+        self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
         self.nonfinite_rows: List[int] = []
