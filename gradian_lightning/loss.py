@@ -12,6 +12,7 @@ supervised tokens in the whole batch: at most `batch_size × supervised_tokens_p
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Dict
 
@@ -30,8 +31,10 @@ def supervised_targets(labels: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+@functools.lru_cache(maxsize=None)
+def _accepts_logits_to_keep(model_class: type) -> bool:
+    # Once per model class, not per batch: inspecting a signature is slow next to a tiny model's step.
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def supervised_token_loss(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -46,7 +49,7 @@ def supervised_token_loss(model: nn.Module, batch: Dict[str, torch.Tensor]) -> t
     targets = labels[:, 1:][keep[:, :-1]]  # [n_supervised]
     rows = keep.nonzero()[:, 0]  # example of each supervised position, [n_supervised]
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
-    if _accepts_logits_to_keep(model):
+    if _accepts_logits_to_keep(type(model)):
         logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
         if logits.shape[:-1] != targets.shape:
             raise GradianError(
