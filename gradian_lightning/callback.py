@@ -234,9 +234,11 @@ def _bytes_on_disk(path: Path) -> int:
 def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:
     """What one indexing run wrote: counts of rows, truncation, empty and non-finite rows, bytes."""
     group = writer.group
-    supervised = group["supervised_tokens"][:]
-    truncated = group["truncated_tokens"][:]
     written = group["complete"][:]
+    truncated = group["truncated_tokens"][:]
+    empty = np.flatnonzero((group["supervised_tokens"][:] == 0) & written)
+    nonfinite = np.flatnonzero(~group["finite"][:] & written)
+    named = np.union1d(empty[:20], nonfinite[:20])  # the CLI names the first 20 of each
     return {
         "path": str(writer.path),
         "complete": complete,
@@ -245,7 +247,7 @@ def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:
         "bytes_on_disk": _bytes_on_disk(writer.path),
         "grads_bytes": int(group["grads"].nbytes),
         "truncated_rows": int(((truncated > 0) & written).sum()),
-        "empty_rows": [int(i) for i in np.flatnonzero((supervised == 0) & written)],
-        "nonfinite_rows": [int(i) for i in np.flatnonzero(~group["finite"][:] & written)],
-        "ids": {int(i): str(group["id"][int(i)]) for i in np.flatnonzero(((supervised == 0) | ~group["finite"][:]) & written)[:20]},
+        "empty_rows": [int(i) for i in empty],
+        "nonfinite_rows": [int(i) for i in nonfinite],
+        "ids": dict(zip((int(i) for i in named), (str(v) for v in group["id"].oindex[named]))) if len(named) else {},
     }

@@ -54,8 +54,9 @@ def argsort_ranking(queries, rows, valid, k, score, largest=True, blocks=None):
     return order, np.take_along_axis(scores, order, axis=1)
 
 
+@pytest.mark.parametrize("blocks", [[(0, 3), (3, 5)], [(0, 4), (4, 4)]], ids=["unequal-modules", "equal-modules"])
 @pytest.mark.parametrize("score, normalize", [("cosine", "module"), ("cosine", "row"), ("inner", "module")])
-def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeypatch, score, normalize):
+def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeypatch, score, normalize, blocks):
     n, d, chunk = 23, 8, 5  # 23 is not a multiple of 5: the last chunk holds 3 rows
     monkeypatch.setattr(store, "CHUNK_BYTES", chunk * d * 4)
     g = torch.Generator().manual_seed(0)
@@ -63,7 +64,7 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     grads[11] = float("nan")  # stored as zeros, finite=False
     supervised = torch.full((n,), 3)
     supervised[[4, 5, 19]] = 0  # 4, 5 straddle a chunk edge
-    blocks = [(0, 3), (3, 5)]  # two "modules" of unequal width
+    # Two "modules": unequal widths take the per-block loop, equal ones the reshaped path.
     index = build_index(tmp_path / "ix", grads, supervised, written=[i for i in range(n) if i != 8], modules=[{"offset": o, "size": z} for o, z in blocks])
     reference_blocks = blocks if normalize == "module" else None
     valid = np.ones(n, dtype=bool)
