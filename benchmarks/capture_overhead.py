@@ -51,9 +51,9 @@ def child(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
-    from gradian_lightning.callback import GradientIndexer
+    from gradian_lightning.index.callback import GradientIndexer
     from gradian_lightning.data import collate
-    from gradian_lightning.indexing import CausalLMModule
+    from gradian_lightning.recipes.index import CausalLMModule
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -83,10 +83,10 @@ def profile_child(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from gradian_lightning.capture import LinearCapture, select_modules
-    from gradian_lightning.loss import supervised_targets, supervised_token_loss
-    from gradian_lightning.projection import KroneckerProjector
-    from gradian_lightning.store import IndexWriter
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
+    from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
+    from gradian_lightning.gradients.projection import KroneckerProjector
+    from gradian_lightning.index.writer import IndexWriter
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model)

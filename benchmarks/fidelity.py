@@ -5,7 +5,7 @@ train) pairs. Loss gradients of every layer's down_proj are captured once (input
 output-gradients g_t per token, fp32); then
   - exact inner products use ⟨G_a, G_b⟩ = Σ_t Σ_s (g_t·g_s)(x_t·x_s), summed over modules, so no
     576×1536 gradient is ever formed;
-  - projected rows come from the same factors through `KroneckerProjector` (projection.py) and are
+  - projected rows come from the same factors through `KroneckerProjector` (gradients/projection.py) and are
     stored and read back through the index encoding (store.encode/decode) of each storage_dtype.
 Cosine scores, whole-row and per-module (the mean over modules of each module's cosine, the
 default `query.normalize=module`), then Spearman ρ over all pairs (and the mean per-query ρ). How float16/bfloat16
@@ -25,7 +25,7 @@ from benchmarks.common import ROOT, SMOLLM2, command_line, table, write_result
 
 DIMS = (4, 8, 16, 32, 64)
 DTYPES = ("float32", "float16", "bfloat16")
-QUICKSTART = ROOT / "gradian_lightning" / "quickstart"
+QUICKSTART = ROOT / "gradian_lightning" / "recipes" / "quickstart"
 
 Factors = Dict[str, Tuple["torch.Tensor", "torch.Tensor"]]  # module -> (x [t, in], g [t, out]) fp32  # noqa: F821
 
@@ -34,9 +34,9 @@ def example_factors(model, tokenizer, rows: Sequence[dict], patterns: List[str],
     """(selected modules, per-example {module: (x [t, in], g [t, out])}) for the loss of each row."""
     import torch
 
-    from gradian_lightning.capture import LinearCapture, select_modules
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.data import JsonlDataset, collate
-    from gradian_lightning.loss import supervised_token_loss
+    from gradian_lightning.gradients.loss import supervised_token_loss
 
     modules = select_modules(model, patterns)
     capture = LinearCapture(modules)
@@ -83,7 +83,7 @@ def projected_rows(modules, factors: List[Factors], dim: int, seed: int = 0):
     """float32 [n, width]: each example's row as the indexer computes it, from its factors."""
     import torch
 
-    from gradian_lightning.projection import KroneckerProjector
+    from gradian_lightning.gradients.projection import KroneckerProjector
 
     projector = KroneckerProjector(modules, dim, seed)
     return torch.cat([projector.project({k: v[0][None] for k, v in f.items()}, {k: v[1][None] for k, v in f.items()}, 1) for f in factors])
@@ -118,9 +118,9 @@ def main() -> None:
     import torch
 
     from gradian_lightning.data import read_jsonl
-    from gradian_lightning.projection import KroneckerProjector
-    from gradian_lightning.query import _unit_modules
-    from gradian_lightning.store import decode, encode
+    from gradian_lightning.gradients.projection import KroneckerProjector
+    from gradian_lightning.query.topk import _unit_modules
+    from gradian_lightning.index.layout import decode, encode
 
     torch.manual_seed(0)
     queries = read_jsonl(QUICKSTART / "queries.jsonl")[: 3 if args.smoke else args.queries]

@@ -2,7 +2,7 @@
 
 Real rows: SmolLM2-135M-Instruct loss gradients of the first `--rows` quickstart train rows,
 captured once for every Linear (inputs and output-gradients per token) and projected for each
-setting from those factors. Each setting is written with `IndexWriter` (store.py: the grads array is stored without a
+setting from those factors. Each setting is written with `IndexWriter` (index/layout.py: the grads array is stored without a
 compressor, the per-row arrays with zarr's default), and measured on disk:
   - raw bytes/row     = width × itemsize (what the row is before compression),
   - grads bytes/row   = on-disk bytes of the grads array / rows,
@@ -36,9 +36,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from gradian_lightning.capture import select_modules
+    from gradian_lightning.gradients.capture import select_modules
     from gradian_lightning.data import read_jsonl
-    from gradian_lightning.store import IndexWriter
+    from gradian_lightning.index.writer import IndexWriter
 
     tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2))
     if args.smoke:

@@ -1,4 +1,4 @@
-"""Loss memory: gather-then-upcast loss (loss.py) against the naive full-logits fp32 loss.
+"""Loss memory: gather-then-upcast loss (gradients/loss.py) against the naive full-logits fp32 loss.
 
 SmolLM2-135M's real embedding/output head (vocab 49152, hidden 576, tied), truncated to its first
 decoder layer so the 48-point sweep runs on a small CPU: the loss part does not depend on depth.
@@ -37,7 +37,7 @@ def child(args: argparse.Namespace) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from gradian_lightning.data import collate
-    from gradian_lightning.loss import supervised_targets, supervised_token_loss
+    from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 
     torch.manual_seed(0)
     model = load_model(args.model, layers=args.layers)

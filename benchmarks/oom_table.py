@@ -38,11 +38,11 @@ def measure(model_dir: str, batch_size: int, prompt: int, supervised: int) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gradian_lightning.capture import LinearCapture, select_modules
-    from gradian_lightning.gradients import projected_gradients
-    from gradian_lightning.loss import supervised_targets
-    from gradian_lightning.plan import fp32_logit_bytes
-    from gradian_lightning.projection import KroneckerProjector
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
+    from gradian_lightning.gradients.batch import projected_gradients
+    from gradian_lightning.gradients.loss import supervised_targets
+    from gradian_lightning.gradients.memory import fp32_logit_bytes
+    from gradian_lightning.gradients.projection import KroneckerProjector
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -95,7 +95,7 @@ def main() -> None:
             r = results[-1]
             print(f"b={b} prompt={p} s={s}: predicted {r['predicted_fp32_logits_bytes'] / MiB:.0f} MiB, measured {r['measured_peak_rise_bytes'] / MiB:.0f} MiB", flush=True)
         Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    from gradian_lightning.plan import LOGIT_PEAK_COPIES
+    from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES
 
     act = plan_activations(args.model)
     lines = [
@@ -120,7 +120,7 @@ def plan_activations(model_dir: str) -> int:
     import torch
     from transformers import AutoConfig
 
-    from gradian_lightning.plan import activation_bytes_per_token
+    from gradian_lightning.recipes.plan import activation_bytes_per_token
 
     return activation_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
 

@@ -31,7 +31,7 @@ from typing import Any, Dict, List
 from benchmarks.common import ROOT, SMOLLM2, bytes_on_disk, command_line, fmt_bytes, measure_command, table, tiny_llama, write_result
 
 VENV = Path(os.environ.get("GRADIAN_PEER_VENV", Path.home() / ".cache" / "gradian" / "bench-peer-venv"))
-DATA = ROOT / "gradian_lightning" / "quickstart" / "train.jsonl"
+DATA = ROOT / "gradian_lightning" / "recipes" / "quickstart" / "train.jsonl"
 BATCH = 32
 # bergson's filter_modules is a comma-separated list of globs to EXCLUDE; this leaves down_proj.
 BERGSON_EXCLUDE = "*q_proj,*k_proj,*v_proj,*o_proj,*gate_proj,*up_proj"

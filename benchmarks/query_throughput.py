@@ -7,7 +7,7 @@ then, interleaved `--repeats` times:
   - numpy read:      the .npy file's bytes read chunk by chunk (the index's chunk size) into one
                      reused NumPy buffer: the ceiling, bytes only, no decoding or scoring;
   - chunk read:      `IndexReader.chunks()` alone (zarr read + decompress + decode to float32);
-  - streaming top-k: `gradian_lightning.query.streaming_topk` (cosine, top 10, `--queries` queries),
+  - streaming top-k: `gradian_lightning.query.topk.streaming_topk` (cosine, top 10, `--queries` queries),
                      i.e. read + decode + one float32 matmul per chunk + running top-k.
 GB/s counts the raw float16 bytes of the rows (N × width × 2), 10⁹ bytes per GB.
 
@@ -43,14 +43,15 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from gradian_lightning.store import IndexWriter, open_index
+    from gradian_lightning import open_index
+    from gradian_lightning.index.writer import IndexWriter
 
     torch.set_num_threads(args.threads)
 
     try:
-        from gradian_lightning.query import streaming_topk
+        from gradian_lightning.query.topk import streaming_topk
 
-        scorer = "gradian_lightning.query.streaming_topk"
+        scorer = "gradian_lightning.query.topk.streaming_topk"
     except ImportError:  # query not merged yet: the same loop, written here
         scorer = "benchmark's own loop over IndexReader.chunks() (gradian_lightning.query not available)"
 

@@ -6,7 +6,7 @@
 
 For one (data set, model) the training and query rows go through one forward/backward each with
 every `nn.Linear` captured; the captured (inputs, output-grads) are projected at every projection
-dim and seed. A module's block depends only on (seed, module name, dim) (projection.py), so the row
+dim and seed. A module's block depends only on (seed, module name, dim) (gradients/projection.py), so the row
 of any `module_filter` is a column subset of the all-Linear row: one pass serves every filter.
 Each setting (filter, dim, storage dtype, score) is then scored with plain torch and summarised as
 recall@1, recall@10 and MRR of the query's first-ranked source row, averaged over projection seeds.
@@ -29,10 +29,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader
 
-from gradian_lightning.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
-from gradian_lightning.loss import supervised_targets, supervised_token_loss
-from gradian_lightning.projection import KroneckerProjector
+from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
+from gradian_lightning.gradients.projection import KroneckerProjector
 
 HERE = Path(__file__).parent
 DATA, RESULTS = HERE / "ranking_data", HERE / "ranking_results"
@@ -89,7 +89,7 @@ def load_model(name: str, kind: str, train_rows: List[Dict], query_rows: List[Di
         notes = fine_tune(model, tokenizer, train_rows, query_rows, epochs=1, lr=2e-4, batch_size=8, log=log)
         return model.eval(), tokenizer, notes
     if name == "tiny-ft":
-        from gradian_lightning.quickstart import tiny_llama, word_tokenizer
+        from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
 
         texts = [json.dumps(r) for r in train_rows + query_rows] + [TINY_CHAT_TEMPLATE]
         tokenizer = word_tokenizer(texts, chat_template=TINY_CHAT_TEMPLATE)

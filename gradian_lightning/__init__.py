@@ -1,17 +1,58 @@
-"""Gradian: training-data attribution for causal language models by gradient indexing."""
+"""Gradian: training-data attribution for causal language models by gradient indexing.
 
-from gradian_lightning.callback import GradientIndexer
-from gradian_lightning.capture import LinearCapture, select_modules
+This docstring is the one description of the package layout. Imports point one way, down this
+stack (tests/test_layout.py fails on any import circle and names it):
+
+    cli.py                     the `gradian` command: parses arguments, calls one recipe
+    recipes/                   plain functions, config -> result
+      index.py  query.py  plan.py  doctor.py  quickstart/
+    index/callback.py          GradientIndexer: the Lightning glue (life-cycle, ranks, progress)
+    query/                     scoring: knows the store, never writes it
+      rows.py                  query_gradients: data rows -> rows made like the index's
+      topk.py                  streaming_topk, Ranking, open_index -> Index (IndexReader + topk)
+    index/                     the zarr store: knows nothing of scoring or Lightning
+      layout.py                the one description of the on-disk layout, encoding, chunking
+      writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
+    gradients/                 the gradient path, plain torch: no Lightning, no zarr
+      capture.py               select_modules, LinearCapture (hooks on the selected Linears)
+      loss.py                  supervised_token_loss: fp32 gather-then-upcast
+      memory.py                the byte arithmetic of that loss's fp32 peak
+      projection.py            KroneckerProjector
+      batch.py                 projected_gradients: one batch -> rows
+    bottom                     errors.py, config.py (omegaconf), data.py (JSONL -> batches),
+                               hub.py (from_pretrained, pad token, file hash), versions.py
+
+One batch, indexing:
+    JSONL rows --data.JsonlDataset--> examples (input_ids, labels: prompt = -100)
+      --data.collate--> padded batch + "index" (dataset positions)
+      --Lightning validation loop--> GradientIndexer.on_validation_batch_end   (index/callback.py)
+      --gradients.batch.projected_gradients:
+            LinearCapture hooks on   ->  supervised_token_loss [B] fp32  ->  autograd.grad to the
+            module outputs (no parameter .grad)  ->  KroneckerProjector  ->  rows [B, D] float32
+      --index.writer.IndexWriter--> zarr `grads` rows at their dataset positions, flags last
+
+One query:
+    JSONL rows --query.rows.query_gradients (the same gradient path, with the modules and
+      projection read back from the index)--> query rows [Q, D]
+      --query.topk.streaming_topk: index chunks decoded by IndexReader, scored as [Q, c] matmuls,
+      merged into a running top-k--> Ranking --recipes.query--> JSONL results
+"""
+
 from gradian_lightning.config import load_config
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import GradianError
-from gradian_lightning.loss import supervised_token_loss
-from gradian_lightning.projection import KroneckerProjector
-from gradian_lightning.query import Ranking, query_gradients, streaming_topk
-from gradian_lightning.store import IndexReader, IndexWriter, open_index
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.loss import supervised_token_loss
+from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.index.callback import GradientIndexer
+from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query.rows import query_gradients
+from gradian_lightning.query.topk import Index, Ranking, open_index, streaming_topk
 
 __all__ = [
     "GradientIndexer",
+    "Index",
     "GradianError",
     "IndexReader",
     "IndexWriter",

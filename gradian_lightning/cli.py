@@ -25,7 +25,7 @@ def _print_index_summary(summary: dict) -> None:
 
 def _index(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
-    from gradian_lightning.indexing import run_index
+    from gradian_lightning.recipes.index import run_index
 
     _print_index_summary(run_index(load_config(args.config, args.overrides)))
 
@@ -33,7 +33,7 @@ def _index(args: argparse.Namespace) -> None:
 def _doctor(args: argparse.Namespace) -> None:
     import json
 
-    from gradian_lightning.doctor import doctor_report, format_markdown
+    from gradian_lightning.recipes.doctor import doctor_report, format_markdown
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
@@ -46,7 +46,7 @@ def _plan(args: argparse.Namespace) -> None:
     import json
 
     from gradian_lightning.config import load_config
-    from gradian_lightning.plan import format_plan, make_plan, parse_bytes
+    from gradian_lightning.recipes.plan import format_plan, make_plan, parse_bytes
 
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     plan = make_plan(load_config(args.config, args.overrides), memory)
@@ -78,7 +78,7 @@ def _print_query_table(results: List[dict], queries: List[dict], train_rows: Opt
 
 def _query(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
-    from gradian_lightning.query import run_query
+    from gradian_lightning.recipes.query import run_query
 
     cfg = load_config(args.config, args.overrides)
     answer = run_query(cfg)
@@ -88,7 +88,7 @@ def _query(args: argparse.Namespace) -> None:
 
 
 def _quickstart(args: argparse.Namespace) -> None:
-    from gradian_lightning.quickstart import run_quickstart
+    from gradian_lightning.recipes.quickstart import run_quickstart
 
     result = run_quickstart(args.out)
     _print_index_summary(result["summary"])

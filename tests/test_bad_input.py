@@ -11,7 +11,7 @@ from gradian_lightning import open_index
 from gradian_lightning.cli import main
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import DataError
-from gradian_lightning.plan import fp32_logit_bytes
+from gradian_lightning.gradients.memory import fp32_logit_bytes
 
 from conftest import ROWS, make_model, write_jsonl
 
@@ -86,7 +86,7 @@ def test_nonfinite_gradients_are_counted_named_and_not_stored(tmp_path, tokenize
 
 
 def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model, tokenizer, capsys, monkeypatch):
-    import gradian_lightning.callback as callback
+    import gradian_lightning.index.callback as callback
 
     calls = []
 
@@ -94,7 +94,7 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
         calls.append(batch)
         if len(calls) == 2:  # the second batch fails, as a long batch would
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        from gradian_lightning.gradients import projected_gradients
+        from gradian_lightning.gradients.batch import projected_gradients
 
         return projected_gradients(model, batch, *args, **kwargs)
 
@@ -106,7 +106,7 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
     n_supervised = int((failed[:, 1:] != -100).sum())
     vocab = len(tokenizer)
     want_bytes = fp32_logit_bytes(n_supervised, vocab)
-    from gradian_lightning.plan import human_bytes
+    from gradian_lightning.gradients.memory import human_bytes
 
     assert err.startswith("gradian index: error: device out of memory indexing rows 3-5: a batch of 3 rows (grads.batch_size=3, grads.max_seq_length=20")
     assert f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {human_bytes(want_bytes)}" in err
@@ -118,7 +118,7 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
 
 
 def test_other_runtime_errors_pass_through(tmp_path, saved_model, capsys, monkeypatch):
-    import gradian_lightning.callback as callback
+    import gradian_lightning.index.callback as callback
 
     def broken(*args, **kwargs):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")

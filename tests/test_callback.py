@@ -9,10 +9,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index
-from gradian_lightning.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import JsonlDataset, collate
-from gradian_lightning.gradients import projected_gradients
-from gradian_lightning.projection import KroneckerProjector
+from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.projection import KroneckerProjector
 
 from conftest import make_model
 

@@ -1,6 +1,6 @@
 import pytest
 
-from gradian_lightning.capture import select_modules
+from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.errors import ConfigError
 
 

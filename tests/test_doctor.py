@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from gradian_lightning.cli import main
-from gradian_lightning.doctor import SUPPORTED, release, version_status
+from gradian_lightning.recipes.doctor import SUPPORTED, release, version_status
 
 ROOT = Path(__file__).resolve().parents[1]
 

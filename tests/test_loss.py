@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from gradian_lightning.data import collate, tokenize_row
-from gradian_lightning.loss import supervised_token_loss
+from gradian_lightning.gradients.loss import supervised_token_loss
 
 
 class NoLogitsToKeep(nn.Module):

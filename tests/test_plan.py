@@ -13,9 +13,10 @@ from gradian_lightning.cli import main
 from gradian_lightning.config import load_config
 from gradian_lightning.data import collate
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.indexing import load_model_and_tokenizer
-from gradian_lightning.loss import supervised_token_loss
-from gradian_lightning.plan import LOGIT_PEAK_COPIES, activation_bytes_per_token, largest_fitting_batch, make_plan, parse_bytes
+from gradian_lightning.hub import load_model_and_tokenizer
+from gradian_lightning.gradients.loss import supervised_token_loss
+from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES
+from gradian_lightning.recipes.plan import activation_bytes_per_token, largest_fitting_batch, make_plan, parse_bytes
 
 from conftest import ROWS, make_model, write_jsonl
 

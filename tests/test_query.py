@@ -10,13 +10,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index, query_gradients, streaming_topk
-from gradian_lightning import store
+from gradian_lightning.index import layout
 from gradian_lightning.cli import main
 from gradian_lightning.data import JsonlDataset, collate
-from gradian_lightning.indexing import CausalLMModule
+from gradian_lightning.recipes.index import CausalLMModule
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
-from gradian_lightning.query import check_matches_index
-from gradian_lightning.store import IndexWriter
+from gradian_lightning.query.rows import check_matches_index
+from gradian_lightning.index.writer import IndexWriter
 
 from conftest import ROWS, make_model, write_jsonl
 
@@ -58,7 +58,7 @@ def argsort_ranking(queries, rows, valid, k, score, largest=True, blocks=None):
 @pytest.mark.parametrize("score, normalize", [("cosine", "module"), ("cosine", "row"), ("inner", "module")])
 def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeypatch, score, normalize, blocks):
     n, d, chunk = 23, 8, 5  # 23 is not a multiple of 5: the last chunk holds 3 rows
-    monkeypatch.setattr(store, "CHUNK_BYTES", chunk * d * 4)
+    monkeypatch.setattr(layout, "CHUNK_BYTES", chunk * d * 4)
     g = torch.Generator().manual_seed(0)
     grads = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * 5
     grads[11] = float("nan")  # stored as zeros, finite=False

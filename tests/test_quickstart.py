@@ -4,7 +4,7 @@ import json
 
 from gradian_lightning import open_index
 from gradian_lightning.data import read_jsonl
-from gradian_lightning.quickstart import QUERIES, TRAIN, run_quickstart
+from gradian_lightning.recipes.quickstart import QUERIES, TRAIN, run_quickstart
 
 
 def test_quickstart_answers_every_query_and_reports_recall_it_can_back(tmp_path):

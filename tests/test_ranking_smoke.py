@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradian_lightning.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
-from gradian_lightning.gradients import projected_gradients
-from gradian_lightning.projection import KroneckerProjector
-from gradian_lightning.quickstart import tiny_llama, word_tokenizer
+from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ranking_quality as rq  # noqa: E402

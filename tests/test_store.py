@@ -3,16 +3,17 @@ import pytest
 import torch
 import zarr
 
-from gradian_lightning import store
+from gradian_lightning.index import layout
 from gradian_lightning.errors import ConfigError, IndexFormatError
-from gradian_lightning.store import IndexWriter, open_index
+from gradian_lightning import open_index
+from gradian_lightning.index.writer import IndexWriter
 
 N, D = 10, 8
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(store, "CHUNK_BYTES", 4 * 4 * D)  # 4 float32 rows per chunk
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 4 * 4 * D)  # 4 float32 rows per chunk
 
 
 def data(seed=0):
@@ -62,7 +63,7 @@ def test_killed_run_resumes_and_is_never_marked_complete_early(tmp_path):
     first = IndexWriter(tmp_path / "ix", N, D, "float32", META)
     write(first, range(6), grads, loss)  # chunk 0 (rows 0-3) is flushed; rows 4-5 are still buffered
     del first  # killed: no close()
-    meta = store.read_meta(tmp_path / "ix")
+    meta = layout.read_meta(tmp_path / "ix")
     assert meta["complete"] is False
     again = IndexWriter(tmp_path / "ix", N, D, "float32", META)
     assert np.flatnonzero(again.todo).tolist() == [4, 5, 6, 7, 8, 9]

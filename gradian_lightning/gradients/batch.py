@@ -13,9 +13,9 @@ from typing import ContextManager, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from gradian_lightning.capture import LinearCapture
-from gradian_lightning.loss import supervised_targets, supervised_token_loss
-from gradian_lightning.projection import KroneckerProjector
+from gradian_lightning.gradients.capture import LinearCapture
+from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
+from gradian_lightning.gradients.projection import KroneckerProjector
 
 
 def projected_gradients(

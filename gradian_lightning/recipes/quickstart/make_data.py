@@ -2,7 +2,7 @@
 
 Each training row states one fact about a made-up person; each query asks for a fact in other
 words, so its planted source is the one training row with the same person and attribute.
-    python -m gradian_lightning.quickstart.make_data
+    python -m gradian_lightning.recipes.quickstart.make_data
 """
 
 import json

@@ -1,8 +1,8 @@
 """`GradientIndexer`: the Lightning glue. Life-cycle, ranks, inference mode and progress; no maths.
 
-One validation batch flows: dataloader batch -> `supervised_token_loss` (loss.py) under
-`LinearCapture` hooks (capture.py) -> output-grads -> `KroneckerProjector` (projection.py) ->
-`IndexWriter` rows at the batch's dataset positions (store.py).
+One validation batch flows: dataloader batch -> `projected_gradients` (gradients/: the loss under
+capture hooks, output-grads, the Kronecker projection) -> `IndexWriter` rows at the batch's
+dataset positions (index/writer.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradian_lightning.capture import LinearCapture, select_modules
 from gradian_lightning.config import STORAGE_DTYPES, module_patterns
-from gradian_lightning.doctor import package_versions
 from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, GradianError
-from gradian_lightning.gradients import projected_gradients
-from gradian_lightning.loss import supervised_targets
-from gradian_lightning.projection import KroneckerProjector
-from gradian_lightning.store import IndexWriter, fingerprint
+from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.loss import supervised_targets
+from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.index.layout import fingerprint
+from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.versions import package_versions
+
 
 def find_causal_lm(pl_module: nn.Module, attribute: Optional[str] = None) -> nn.Module:
     """The Hugging Face model inside a LightningModule: `attribute` (dotted) or the top-most PreTrainedModel."""
@@ -199,8 +202,6 @@ class GradientIndexer(L.Callback):
 
     def _out_of_memory(self, batch: Dict[str, Any], wanted: torch.Tensor) -> DeviceOutOfMemoryError:
         """The one-line error for an accelerator OOM in this batch: what it held and what to lower."""
-        from gradian_lightning.plan import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
-
         n_supervised = int(supervised_targets(batch["labels"][wanted]).sum())
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         vocab = getattr(head, "out_features", None) or getattr(getattr(self.model, "config", None), "vocab_size", None)

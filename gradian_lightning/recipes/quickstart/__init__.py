@@ -17,10 +17,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
-from gradian_lightning.query import query_gradients, results_for, write_results
-from gradian_lightning.store import open_index
+from gradian_lightning.index.callback import GradientIndexer
+from gradian_lightning.query.rows import query_gradients
+from gradian_lightning.query.topk import open_index
+from gradian_lightning.recipes.query import results_for, write_results
 
 HERE = Path(__file__).parent
 TRAIN, QUERIES = HERE / "train.jsonl", HERE / "queries.jsonl"

@@ -1,7 +1,7 @@
 """`gradian plan`: predict indexing's peak memory and the index's size, without loading weights.
 
 One allocation dominates gradient indexing: the fp32 logits at the supervised positions of a batch,
-`n_supervised × vocab × 4` bytes (see loss.py). Prompt tokens and padding cost nothing there, so the
+`n_supervised × vocab × 4` bytes (see gradients/loss.py). Prompt tokens and padding cost nothing there, so the
 prediction needs the supervised-token count of every row, hence the real tokenizer at the configured
 `grads.max_seq_length`; the model itself is built on the meta device, from its config alone, for the
 vocabulary, the parameter bytes and the widths of the selected modules.
@@ -17,23 +17,16 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from gradian_lightning.capture import select_modules
 from gradian_lightning.config import STORAGE_DTYPES, module_patterns, require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.projection import KroneckerProjector
+from gradian_lightning.gradients.capture import select_modules
+from gradian_lightning.gradients.memory import FP32_BYTES, LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 
-FP32_BYTES = 4
 STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-# The fp32 logits are not alone at the peak: cross-entropy keeps their log-softmax for backward,
-# and backward makes a gradient of each, so three tensors of that size are alive at once.
-LOGIT_PEAK_COPIES = 3
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def fp32_logit_bytes(n_supervised: int, vocab_size: int) -> int:
-    """Bytes of the fp32 logit tensor for a batch with `n_supervised` supervised tokens in all."""
-    return int(n_supervised) * int(vocab_size) * FP32_BYTES
 
 
 def supervised_tokens(example: Example) -> int:
@@ -50,14 +43,6 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def human_bytes(n: float) -> str:
-    """Bytes in binary units, e.g. '1.50 GiB'."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def accelerator_memory() -> Optional[Tuple[int, str]]:
     """(bytes, device name) of the first visible accelerator (CUDA, then MPS), or None."""
     if torch.cuda.is_available():
@@ -66,14 +51,6 @@ def accelerator_memory() -> Optional[Tuple[int, str]]:
     if torch.backends.mps.is_available():
         return int(torch.mps.recommended_max_memory()), "mps"
     return None
-
-
-def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The causal LM of `config` with every tensor on the meta device: shapes, no memory, no weights."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def model_dtype(cfg: DictConfig, config: Any) -> torch.dtype:
@@ -151,8 +128,6 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     `device_memory` (bytes) defaults to the visible accelerator's memory, unless trainer.accelerator
     is cpu; without either, no fitting batch size is computed.
     """
-    from gradian_lightning.indexing import load_tokenizer_and_config
-
     require(cfg, "model.name_or_path", "data.train")
     rows = read_jsonl(cfg.data.train)
     tokenizer, config = load_tokenizer_and_config(cfg.model)

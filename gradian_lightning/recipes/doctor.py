@@ -1,7 +1,6 @@
 """`gradian doctor`: the environment, as a report to paste into a bug report. It reports, it doesn't judge.
 
-`SUPPORTED` is the one declaration of the versions this release supports; pyproject.toml's
-dependency bounds are checked against it by tests/test_doctor.py.
+The supported window is `gradian_lightning.versions.SUPPORTED`.
 """
 
 from __future__ import annotations
@@ -11,33 +10,11 @@ import os
 import platform
 import re
 import tempfile
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-# name -> (lowest supported, first unsupported): the half-open window [low, high).
-SUPPORTED: Dict[str, Tuple[str, str]] = {
-    "python": ("3.10", "3.14"),
-    "torch": ("2.4", "2.14"),
-    "lightning": ("2.4", "2.7"),
-    "transformers": ("5.0", "6"),
-    "zarr": ("3.0", "4"),
-    "omegaconf": ("2.3", "2.5"),
-    "numpy": ("1.24", "3"),
-}
-PACKAGES = ("gradian-lightning", "torch", "lightning", "transformers", "zarr", "omegaconf", "numpy")
-
-
-def package_versions() -> Dict[str, str]:
-    """Installed versions of the packages an index depends on, plus Python's."""
-    found = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "not installed"
-    return found
+from gradian_lightning.versions import SUPPORTED, package_versions
 
 
 def release(text: str) -> Tuple[int, ...]:
@@ -107,7 +84,7 @@ def determinism_report(seed: Any) -> Dict[str, Any]:
 
 def _check_hooks() -> Optional[str]:
     """None when forward hooks capture a Linear's output-gradient here, else why not."""
-    from gradian_lightning.capture import LinearCapture
+    from gradian_lightning.gradients.capture import LinearCapture
 
     try:
         linear = torch.nn.Linear(3, 2)

@@ -1,0 +1,75 @@
+"""Hugging Face loading: `from_pretrained` of model, tokenizer and config, the pad token, file hashes.
+
+Every path that loads a model goes through here, so a name that cannot be loaded is one
+`ConfigError` line that names `model.name_or_path`, whichever command met it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import torch
+from omegaconf import DictConfig
+
+from gradian_lightning.errors import ConfigError
+
+
+def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:
+    """`load(name, **kwargs)` (a transformers `from_pretrained`), its failure as one `ConfigError` line."""
+    try:
+        return load(name, **kwargs)
+    except Exception as err:  # OSError, ValueError, ...: transformers' messages are long; keep the gist
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "trust_remote_code" in str(err):
+            raise ConfigError(f"model {name!r} ships its own code; if you trust it, pass model.trust_remote_code=true") from None
+        raise ConfigError(f"setting 'model.name_or_path'={name!r} could not be loaded ({first}); give a local model directory or a Hugging Face name that is cached or reachable") from None
+
+
+def _pretrained_args(model_cfg: DictConfig) -> Tuple[str, Dict[str, Any]]:
+    name = os.path.expanduser(model_cfg.name_or_path)  # "~/..." in a YAML file means the home directory
+    return name, {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
+
+
+def load_model_and_tokenizer(model_cfg: DictConfig) -> Tuple[Any, Any]:
+    """`from_pretrained` model (causal LM, eval mode) and fast tokenizer from a `model.*` config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, kwargs = _pretrained_args(model_cfg)
+    dtype = model_cfg.dtype if model_cfg.dtype == "auto" else getattr(torch, model_cfg.dtype)
+    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name, use_fast=True, **kwargs)
+    model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name, dtype=dtype, **kwargs)
+    return model.eval(), tokenizer
+
+
+def load_tokenizer_and_config(model_cfg: DictConfig) -> Tuple[Any, Any]:
+    """The fast tokenizer and the `PretrainedConfig` of a `model.*` config, without loading weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name, kwargs = _pretrained_args(model_cfg)
+    tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name, use_fast=True, **kwargs)
+    return tokenizer, _from_pretrained(AutoConfig.from_pretrained, name, **kwargs)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id `collate` pads with: the tokenizer's pad token, else its EOS token, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The causal LM of `config` with every tensor on the meta device: shapes, no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

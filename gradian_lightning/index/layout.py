@@ -1,0 +1,91 @@
+"""The on-disk index: one zarr v3 group. This module is the one description of its layout;
+`writer.py` and `reader.py` share it.
+
+    index.path/                      zarr group, attribute "gradian" = metadata (see below)
+      grads              [N, D]      projected gradients, row-chunked, dtype = storage_dtype
+                                     (bfloat16 is stored as its raw uint16 bits: zarr has no bfloat16)
+      id                 [N] str     the data row's `id` column, or its position
+      loss               [N] f32     per-example loss, nats (sum over supervised tokens)
+      supervised_tokens  [N] i32     supervised tokens that entered the loss
+      truncated_tokens   [N] i32     supervised tokens cut by max_seq_length (-1: unknown)
+      finite             [N] bool    false when the gradient had NaN/inf (the row is stored as zeros)
+      complete           [N] bool    the row is written; set only after its data is on disk
+
+Row i is dataset position i, whatever order rows arrive in. Metadata attribute "gradian" holds
+`format_version`, `complete` (every row written), `num_rows`, `width`, `storage_dtype`,
+`fingerprint` (what must match to resume), `global_step`, and what the writer was given:
+the resolved config, the module layout, projection, model and package versions.
+
+Readable with plain zarr: `zarr.open_group(path)["grads"][:10]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+import numpy as np
+import torch
+import zarr
+
+from gradian_lightning.errors import IndexFormatError
+
+FORMAT_VERSION = 1
+ATTRIBUTE = "gradian"
+# Target size of one grads chunk, uncompressed. 4 MiB keeps a chunk and its float32 upcast in cache
+# while a query scores it: 2x the streaming top-k throughput of 16 MiB (benchmarks/RESULTS.md §5).
+CHUNK_BYTES = 4 * 2**20
+NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+ROW_ARRAYS = {
+    "id": (str, ""),
+    "loss": (np.float32, 0.0),
+    "supervised_tokens": (np.int32, 0),
+    "truncated_tokens": (np.int32, -1),
+    "finite": (bool, True),
+    "complete": (bool, False),
+}
+
+
+def encode(rows: torch.Tensor, storage_dtype: str) -> np.ndarray:
+    """float32 rows [b, D] -> numpy array in the storage encoding."""
+    rows = rows.detach().cpu()
+    if storage_dtype == "bfloat16":
+        return rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return rows.to(getattr(torch, storage_dtype)).numpy()
+
+
+def decode(stored: np.ndarray, storage_dtype: str) -> torch.Tensor:
+    """Stored rows -> float32 tensor [b, D]."""
+    if storage_dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16).float()
+    # torch upcasts float16 several times faster than NumPy's astype: it bounds query throughput
+    # (benchmarks/query_throughput.py).
+    return torch.from_numpy(np.ascontiguousarray(stored)).float()
+
+
+def fingerprint(parts: Dict[str, Any]) -> str:
+    """A short stable hash of plain data: what must match for a run to resume an index."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def chunk_rows(width: int, storage_dtype: str) -> int:
+    """Rows per grads chunk: about CHUNK_BYTES of uncompressed data."""
+    return max(1, CHUNK_BYTES // (width * np.dtype(NUMPY_DTYPE[storage_dtype]).itemsize))
+
+
+def read_meta(path: str | Path) -> Dict[str, Any]:
+    """The "gradian" attribute of the index at `path`; `IndexFormatError` if it is not an index."""
+    path = Path(path)
+    try:
+        group = zarr.open_group(str(path), mode="r")
+        meta = dict(group.attrs[ATTRIBUTE])
+    except Exception:
+        raise IndexFormatError(f"{str(path)!r} is not a Gradian index (no zarr group with a '{ATTRIBUTE}' attribute); point index.path at one written by `gradian index`") from None
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise IndexFormatError(
+            f"{str(path)!r} is a Gradian index of format version {version}, this gradian reads version {FORMAT_VERSION}; rebuild it with `gradian index` or install the gradian release that wrote it"
+        )
+    return meta

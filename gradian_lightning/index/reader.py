@@ -1,0 +1,64 @@
+"""`IndexReader`: read access to an index written by `IndexWriter` (layout in `layout.py`).
+
+It knows nothing of scoring: `gradian_lightning.query` adds ranking on top of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import zarr
+
+from gradian_lightning.index.layout import decode, read_meta
+
+
+class IndexReader:
+    """Read access to an index: its metadata, per-row arrays and rows decoded to float32.
+
+    `gradian_lightning.open_index(path)` returns its subclass `Index`, which also ranks rows (`topk`).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.meta = read_meta(self.path)
+        self.group = zarr.open_group(str(self.path), mode="r")
+        self.grads = self.group["grads"]
+        self.storage_dtype = self.meta["storage_dtype"]
+        self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`
+
+    def __len__(self) -> int:
+        return int(self.meta["num_rows"])
+
+    def column(self, name: str, indices: Optional[Sequence[int]] = None) -> np.ndarray:
+        """A per-row array (id, loss, supervised_tokens, truncated_tokens, finite, complete), whole or at `indices`."""
+        if indices is None:
+            return self.group[name][:]
+        return self.group[name].oindex[np.asarray(indices, dtype=np.int64)]
+
+    def rankable(self, lo: int, hi: int) -> np.ndarray:
+        """Bool [hi - lo]: rows lo..hi-1 that may appear in query results (written, finite, supervised)."""
+        start, mask = self._mask
+        if not (start <= lo and hi <= start + len(mask)):
+            # Read a whole chunk of the per-row arrays at once: one read serves many grads chunks,
+            # and memory stays bounded by the chunk, not by N.
+            start = lo - lo % self.group["complete"].chunks[0]
+            rows = slice(start, min(max(hi, start + self.group["complete"].chunks[0]), len(self)))
+            mask = self.group["complete"][rows] & self.group["finite"][rows] & (self.group["supervised_tokens"][rows] > 0)
+            self._mask = (start, mask)
+        return mask[lo - start : hi - start]
+
+    def rows(self, indices: Sequence[int] | slice) -> torch.Tensor:
+        """float32 rows [len(indices), D] for dataset positions `indices`."""
+        if isinstance(indices, slice):
+            return decode(self.grads[indices], self.storage_dtype)
+        indices = np.asarray(indices, dtype=np.int64)
+        return decode(self.grads.oindex[indices, :], self.storage_dtype)
+
+    def chunks(self) -> Iterator[Tuple[int, torch.Tensor]]:
+        """(first row, float32 rows [c, D]) for each stored chunk, in order: streaming reads."""
+        step = self.grads.chunks[0]
+        for lo in range(0, len(self), step):
+            yield lo, self.rows(slice(lo, min(lo + step, len(self))))

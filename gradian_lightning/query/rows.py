@@ -1,0 +1,154 @@
+"""Query rows: arbitrary data rows -> projected loss gradients [Q, D], made exactly like an index's.
+
+    query JSONL rows -> `query_gradients`: the index's model, modules, loss and projection, read
+                        back from the index attributes -> query rows [Q, D] float32, rounded to the
+                        index's storage dtype
+A query that cannot match its index (another model, module layout, projection or dtype) stops
+with one `IndexMismatchError` line naming each difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Any, ContextManager, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from gradian_lightning.config import module_patterns
+from gradian_lightning.data import JsonlDataset, collate
+from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
+from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.hub import pad_token_id
+from gradian_lightning.index.layout import decode, encode
+from gradian_lightning.index.reader import IndexReader
+
+LOSS_KIND = "supervised_token_sum"  # what `supervised_token_loss` computes; the index records its own
+
+
+def _describe_model(model: nn.Module) -> Dict[str, Any]:
+    config = getattr(model, "config", None)
+    return {
+        "class": type(model).__name__,
+        "name_or_path": getattr(config, "_name_or_path", None) or None,
+        "vocab_size": getattr(config, "vocab_size", None),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+
+
+def index_mismatches(meta: Dict[str, Any], model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None) -> List[str]:
+    """What disagrees between an index's attributes and a query's model and settings (empty: all agree).
+
+    `settings` holds the query's own `module_filter`, `projection_dim`, `seed`, `storage_dtype`
+    (any subset); `model` is the model the query will run. Each entry is a short phrase.
+    """
+    found: List[str] = []
+    projection = meta.get("projection", {})
+    settings = settings or {}
+    for key, theirs in (("projection_dim", projection.get("dim")), ("seed", projection.get("seed")), ("storage_dtype", meta.get("storage_dtype"))):
+        if key in settings and settings[key] != theirs:
+            found.append(f"grads.{key} is {settings[key]!r} here but {theirs!r} in the index")
+    if meta.get("loss", {}).get("kind", LOSS_KIND) != LOSS_KIND:
+        found.append(f"the index's loss is {meta['loss']['kind']!r}, this gradian computes {LOSS_KIND!r}")
+    if model is None:
+        return found
+    ours, theirs = _describe_model(model), meta.get("model", {})
+    for key, what in (("class", "model class"), ("name_or_path", "model"), ("vocab_size", "vocabulary size"), ("dtype", "model dtype")):
+        if ours[key] is not None and theirs.get(key) is not None and ours[key] != theirs[key]:
+            found.append(f"{what} is {ours[key]!r} here but {theirs[key]!r} in the index")
+    linears = dict(model.named_modules())
+    modules_found = True
+    for block in meta.get("modules", []):
+        name, shape = block["name"], (block["out_features"], block["in_features"])
+        module = linears.get(name)
+        if not isinstance(module, nn.Linear):
+            modules_found = False
+            found.append(f"module {name!r} is missing from the model" if module is None else f"module {name!r} is {type(module).__name__}, not nn.Linear")
+        elif (module.out_features, module.in_features) != shape:
+            modules_found = False
+            found.append(f"module {name!r} is {module.out_features}x{module.in_features} here but {shape[0]}x{shape[1]} in the index")
+    if "module_filter" in settings and modules_found:
+        try:
+            chosen = list(select_modules(model, module_patterns(settings["module_filter"])))
+        except ConfigError:
+            chosen = []
+        wanted = [b["name"] for b in meta.get("modules", [])]
+        if chosen != wanted:
+            found.append(f"grads.module_filter={settings['module_filter']!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index")
+    return found
+
+
+def check_matches_index(index: IndexReader, model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None) -> None:
+    """Raise `IndexMismatchError`, one line naming each mismatch, when the query cannot match the index."""
+    found = index_mismatches(index.meta, model, settings)
+    if found:
+        raise IndexMismatchError(
+            f"the query does not match the index at {str(index.path)!r}: {'; '.join(found)}; query with the model and grads.* settings the index was built with"
+        )
+
+
+def index_projector(index: IndexReader, model: nn.Module) -> tuple[Dict[str, nn.Linear], KroneckerProjector]:
+    """The index's modules, found by name in `model`, and its projection, rebuilt from the attributes."""
+    check_matches_index(index, model)
+    linears = dict(model.named_modules())
+    modules = {b["name"]: linears[b["name"]] for b in index.meta["modules"]}
+    projection = index.meta["projection"]
+    projector = KroneckerProjector(modules, projection["dim"], projection["seed"])
+    if projector.describe() != index.meta["modules"] or projector.width != int(index.meta["width"]):
+        raise IndexMismatchError(
+            f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {projector.width} vs {index.meta['width']}); rebuild the index with `gradian index`"
+        )
+    return modules, projector
+
+
+def query_gradients(
+    index: IndexReader,
+    model: nn.Module,
+    tokenizer: Any,
+    rows: Sequence[Dict[str, Any]],
+    batch_size: int = 8,
+    max_seq_length: Optional[int] = None,
+    device: Optional[torch.device | str] = None,
+    forward_context: Optional[ContextManager] = None,
+    source: str = "query data",
+) -> torch.Tensor:
+    """Projected loss gradients [Q, D] float32 of arbitrary rows, made exactly like `index`'s rows.
+
+    `rows` are dicts in any training-data format (prompt/completion, messages, text). The modules,
+    projection (dim, seed) and storage dtype are read from the index attributes; the rows are
+    rounded to the storage dtype, so a training row used as a query scores like its stored row.
+    `max_seq_length` defaults to the one the index was built with (its `data.max_seq_length`), or
+    no truncation. `device` defaults to the model's. The model's train/eval mode, RNG and
+    parameters' `.grad` are left as they were. Raises `IndexMismatchError` naming each mismatch and
+    `DataError` for a row with no supervised token.
+    """
+    modules, projector = index_projector(index, model)
+    if max_seq_length is None:
+        max_seq_length = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
+    dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)
+    for example in dataset.examples:
+        if all(label < 0 for label in example.labels[1:]):
+            raise DataError(f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt")
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    capture = LinearCapture(modules)
+    storage = index.meta["storage_dtype"]
+    out = []
+    # The index is written in eval mode (Lightning's validation loop); restore the caller's mode after.
+    training = {m: m.training for m in model.modules()}
+    devices = [device] if device.type != "cpu" else []
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=devices, device_type=device.type), torch.inference_mode(False), torch.enable_grad():
+            for batch in loader:
+                batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+                rows_, _ = projected_gradients(model, batch, capture, projector, forward_context or contextlib.nullcontext())
+                out.append(decode(encode(rows_, storage), storage))
+    finally:
+        for m, mode in training.items():
+            m.train(mode)
+    return torch.cat(out).to(device)

@@ -1,0 +1,81 @@
+"""The `gradian query` recipe as plain functions: config -> model, query rows -> ranking -> JSONL.
+
+    cfg = load_config("configs/smollm2.yaml", ["query.data=my_queries.jsonl", "index.path=runs/ix"])
+    answer = run_query(cfg)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import lightning as L
+from omegaconf import OmegaConf
+
+from gradian_lightning.config import require
+from gradian_lightning.data import read_jsonl
+from gradian_lightning.hub import file_sha256, load_model_and_tokenizer
+from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.rows import check_matches_index, query_gradients
+from gradian_lightning.query.topk import Index, Ranking, streaming_topk
+
+
+def results_for(index: IndexReader, query_ids: Sequence[str], top: Ranking, bottom: Optional[Ranking] = None) -> List[Dict[str, Any]]:
+    """One JSON-ready dict per query: {"query_id", "results": [{"rank", "id", "index", "score"}], "opponents"?}.
+
+    `id` is the training row's stored id (its `id` column, or its position).
+    """
+    rankings = {"results": top, **({"opponents": bottom} if bottom is not None else {})}
+    positions = sorted({int(i) for r in rankings.values() for i in r.indices.flatten().tolist()})
+    ids = dict(zip(positions, index.column("id", positions))) if positions else {}
+    out = []
+    for q, query_id in enumerate(query_ids):
+        entry: Dict[str, Any] = {"query_id": query_id}
+        for key, ranking in rankings.items():
+            entry[key] = [
+                {"rank": r + 1, "id": str(ids[int(i)]), "index": int(i), "score": float(s)}
+                for r, (i, s) in enumerate(zip(ranking.indices[q].tolist(), ranking.scores[q].tolist()))
+            ]
+        out.append(entry)
+    return out
+
+
+def write_results(path: str | Path, results: Sequence[Dict[str, Any]]) -> None:
+    """Write `results_for` output as JSONL, one line per query."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in results))
+
+
+def run_query(cfg: Any) -> Dict[str, Any]:
+    """Answer `cfg.query.data` against the index at `cfg.index.path`; write `cfg.query.output` if set.
+
+    Returns {"results": per-query dicts (see `results_for`), "queries": the query rows,
+    "train_rows": the index's training rows when its data file is still there (else None),
+    "index": the reader, "device": where scoring ran}.
+    """
+    require(cfg, "model.name_or_path", "query.data")
+    queries = read_jsonl(cfg.query.data)
+    index = Index(cfg.index.path)
+    g = cfg.grads
+    settings = {"module_filter": OmegaConf.to_object(g.module_filter) if OmegaConf.is_config(g.module_filter) else g.module_filter,
+                "projection_dim": g.projection_dim, "seed": g.seed, "storage_dtype": g.storage_dtype}
+    check_matches_index(index, settings={k: v for k, v in settings.items() if k != "module_filter"})  # before the model loads
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
+    fabric = L.Fabric(**fabric_kwargs, devices=1)
+    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    check_matches_index(index, model, settings)
+    model.to(fabric.device)
+    rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data))
+    top, bottom = streaming_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, device=fabric.device, normalize=cfg.query.normalize)
+    query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
+    results = results_for(index, query_ids, top, bottom)
+    if cfg.query.output:
+        write_results(cfg.query.output, results)
+    data = index.meta.get("data") or {}
+    # Snippets only from the very file that was indexed: an edited file no longer lines up.
+    same_file = data.get("path") and Path(data["path"]).is_file() and file_sha256(data["path"]) == data.get("sha256")
+    train_rows = read_jsonl(data["path"]) if same_file else None
+    return {"results": results, "queries": queries, "train_rows": train_rows, "index": index, "device": str(fabric.device)}
