@@ -6,7 +6,9 @@ A module is selected when a pattern of `grads.module_filter` matches its dotted 
   - any other pattern matches the whole name or a dotted suffix of it, component by component:
     `down_proj` and `mlp.down_proj` match every layer's down projection, `layers.3.mlp.down_proj`
     one of them, and `proj` matches nothing (it is not a whole component).
-Only `nn.Linear` modules are candidates.
+Only `nn.Linear` modules are candidates. In a PEFT LoRA model a layer's Linears also answer to
+shorter names (peft.py): `q_proj` selects the frozen `q_proj.base_layer`, `lora_A` / `lora_B` (or
+`q_proj.lora_A`, ...) select the active adapter's matrices `q_proj.lora_A.default`, ...
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from gradian_lightning.errors import ConfigError, GradianError
+from gradian_lightning.gradients.peft import module_aliases
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -27,12 +30,14 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear]:
-    """The `nn.Linear` submodules of `model` whose names match any pattern, in model order.
+    """The `nn.Linear` submodules of `model` whose names (or PEFT aliases) match any pattern, in model order.
 
-    Raises `ConfigError` listing the candidate names when nothing matches.
+    Keys are the modules' own dotted names. Raises `ConfigError` listing the candidates when nothing matches.
     """
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    chosen = {name: m for name, m in linears.items() if any(_matches(name, p) for p in patterns)}
+    modules = dict(model.named_modules())
+    aliases = module_aliases(model)
+    linears = {name: modules[name] for name in aliases}
+    chosen = {name: m for name, m in linears.items() if any(_matches(alias, p) for alias in aliases[name] for p in patterns)}
     if not chosen:
         # Layer numbers make the list long and repetitive; show each distinct shape once.
         shapes = sorted({".".join("N" if part.isdigit() else part for part in name.split(".")) for name in linears})

@@ -7,12 +7,15 @@ dataset positions (index/writer.py).
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from gradian_lightning.config import STORAGE_DTYPES, module_patterns
@@ -21,6 +24,7 @@ from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.index.layout import fingerprint
 from gradian_lightning.index.writer import IndexWriter
@@ -28,20 +32,53 @@ from gradian_lightning.versions import package_versions
 
 
 def find_causal_lm(pl_module: nn.Module, attribute: Optional[str] = None) -> nn.Module:
-    """The Hugging Face model inside a LightningModule: `attribute` (dotted) or the top-most PreTrainedModel."""
+    """The Hugging Face model inside a LightningModule: `attribute` (dotted) or the top-most PreTrainedModel.
+
+    A `peft.PeftModel` (at `attribute`, or holding the first PreTrainedModel found) gives its base
+    model, whose layers carry the LoRA adapters in place (gradients/peft.py).
+    """
     if attribute:
         model = pl_module
         for part in attribute.split("."):
             model = getattr(model, part, None)
             if model is None:
                 raise ConfigError(f"GradientIndexer(model_attribute={attribute!r}): {type(pl_module).__name__} has no attribute {part!r}")
-        return model
+        return unwrap_peft(model)
     from transformers import PreTrainedModel
 
     for _, module in pl_module.named_modules():
         if isinstance(module, PreTrainedModel):
             return module
     raise ConfigError(f"GradientIndexer found no transformers PreTrainedModel inside {type(pl_module).__name__}; pass model_attribute='name_of_the_model_attribute'")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_arguments(**given: Any) -> None:
+    """The `GradientIndexer` arguments that no config schema checked, each as one `ConfigError` line."""
+    path = given["path"]
+    rules = {
+        "path": (isinstance(path, (str, os.PathLike)) and bool(str(path).strip()), "a non-empty directory path (str or Path)"),
+        "seed": (_is_int(given["seed"]), "an integer"),
+        "dataloader_idx": (_is_int(given["dataloader_idx"]) and given["dataloader_idx"] >= 0, "an integer >= 0"),
+        "model_attribute": (given["model_attribute"] is None or (isinstance(given["model_attribute"], str) and bool(given["model_attribute"].strip())), "None or a dotted attribute name such as 'model'"),
+        "overwrite": (isinstance(given["overwrite"], bool), "True or False"),
+        "verbose": (isinstance(given["verbose"], bool), "True or False"),
+        "meta": (given["meta"] is None or isinstance(given["meta"], dict), "None or a dict of JSON data"),
+    }
+    for name, (ok, allowed) in rules.items():
+        if not ok:
+            raise ConfigError(f"GradientIndexer({name}={given[name]!r}) is not allowed; use {allowed}")
+    try:
+        str(path).format(step=0)
+    except (KeyError, IndexError, ValueError):
+        raise ConfigError(f"GradientIndexer(path={str(path)!r}): the only placeholder a path may hold is {{step}}; write other braces twice ({{{{ and }}}})") from None
+    try:
+        json.dumps(given["meta"] or {}, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"GradientIndexer(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None") from None
 
 
 class GradientIndexer(L.Callback):
@@ -63,7 +100,14 @@ class GradientIndexer(L.Callback):
         model_attribute: dotted attribute of the Hugging Face model in the LightningModule;
             default: the top-most `transformers.PreTrainedModel` found.
         overwrite: replace an index of another configuration found at `path`.
-        meta: extra plain data stored in the index attributes (the CLI stores its config).
+        meta: extra plain data stored in the index attributes (the CLI stores its config); JSON types only.
+        verbose: after each indexing run, say on rank 0 what was written (Lightning's logger, INFO).
+
+    Every argument is checked here, before any Trainer exists: a wrong one is one `ConfigError` line.
+    The callback's `state_dict` (saved in Lightning checkpoints) holds how many indexing runs it
+    finished and where they went, so a fit resumed with `ckpt_path=` carries on counting; an index
+    the interruption left incomplete is finished, not restarted, when the resumed fit reaches the
+    same step again (the writer keeps its completed rows).
     """
 
     def __init__(
@@ -77,19 +121,45 @@ class GradientIndexer(L.Callback):
         model_attribute: Optional[str] = None,
         overwrite: bool = False,
         meta: Optional[Dict[str, Any]] = None,
+        verbose: bool = True,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
-        if projection_dim is not None and projection_dim < 1:
+        if projection_dim is not None and (not _is_int(projection_dim) or projection_dim < 1):
             raise ConfigError(f"setting 'grads.projection_dim'={projection_dim!r} is not allowed; use an integer >= 1, or null for exact gradients")
+        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose)
         self.path_template = str(path)
         self.patterns = module_patterns(module_filter)
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
         self.dataloader_idx, self.model_attribute, self.overwrite = dataloader_idx, model_attribute, overwrite
         self.extra_meta = dict(meta or {})
+        self.verbose = verbose
         self.summary: Optional[Dict[str, Any]] = None  # set on rank 0 after each indexing run
+        # Finished indexing runs, oldest first: {"step", "path", "rows", "complete"}; in the checkpoint.
+        self.runs: List[Dict[str, Any]] = []
         self._writer: Optional[IndexWriter] = None
         self._todo: Optional[np.ndarray] = None
+
+    # -- Lightning checkpoint state --------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        # Two indexers in one Trainer (say, two module filters) need separate checkpoint entries.
+        return self._generate_state_key(path=self.path_template, module_filter=self.patterns, dataloader_idx=self.dataloader_idx)
+
+    def _settings(self) -> Dict[str, Any]:
+        return {"module_filter": self.patterns, "projection_dim": self.projection_dim, "storage_dtype": self.storage_dtype, "seed": self.seed}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed fit needs: the finished runs (step, path, rows, complete) and the settings."""
+        return {"runs": [dict(r) for r in self.runs], "settings": self._settings()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore the finished runs of the checkpointed fit; warn (rank 0) when the settings changed."""
+        self.runs = [dict(r) for r in state_dict.get("runs", [])]
+        saved = state_dict.get("settings")
+        if saved is not None and saved != self._settings():
+            changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._settings().items() if saved.get(k) != v)
+            rank_zero_warn(f"GradientIndexer: resumed from a checkpoint indexed with other settings ({changed}); indexes written after the resume are not comparable with earlier ones")
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -224,6 +294,12 @@ class GradientIndexer(L.Callback):
             writer, self._writer = self._writer, None
             complete = writer.close()
             self.summary = summarize(writer, complete)
+        run = {"step": int(trainer.global_step), "path": self.path_template.format(step=trainer.global_step), "rows": None, "complete": None}
+        if self.summary is not None and trainer.is_global_zero:
+            run.update(rows=self.summary["rows"], complete=self.summary["complete"])
+            if self.verbose:
+                rank_zero_info(f"GradientIndexer: step {run['step']}: {run['rows']}/{self.summary['num_rows']} rows in {run['path']} ({'complete' if run['complete'] else 'INCOMPLETE'})")
+        self.runs = [r for r in self.runs if r["step"] != run["step"]] + [run]  # a re-run of a step replaces its entry
         self._todo = None
         trainer.strategy.barrier()
 

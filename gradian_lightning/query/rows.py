@@ -22,6 +22,7 @@ from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.hub import pad_token_id
 from gradian_lightning.index.layout import decode, encode
@@ -124,8 +125,10 @@ def query_gradients(
     `max_seq_length` defaults to the one the index was built with (its `data.max_seq_length`), or
     no truncation. `device` defaults to the model's. The model's train/eval mode, RNG and
     parameters' `.grad` are left as they were. Raises `IndexMismatchError` naming each mismatch and
-    `DataError` for a row with no supervised token.
+    `DataError` for a row with no supervised token. A `peft.PeftModel` is run as its base model
+    (adapters in place), as `GradientIndexer` runs it.
     """
+    model = unwrap_peft(model)
     modules, projector = index_projector(index, model)
     if max_seq_length is None:
         max_seq_length = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1

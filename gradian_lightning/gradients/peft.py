@@ -1,0 +1,70 @@
+"""PEFT (LoRA) models: the causal LM to hook, and the names their Linear layers answer to.
+
+PEFT's LoRA replaces each targeted `nn.Linear` (say `q_proj`) by a wrapper that is not itself an
+`nn.Linear` and holds three that are:
+  - `q_proj.base_layer`: the original layer, frozen (weight W, out × in);
+  - `q_proj.lora_A.<adapter>`: A (r × in) and `q_proj.lora_B.<adapter>`: B (out × r), trainable;
+and computes `q_proj(x) = W x + scaling · B A dropout(x)` (`<adapter>` is `default` unless named).
+Every one of them sees the wrapper's own output-gradient path, so the gradient captured on
+`base_layer` is d loss / d W with the adapter active, and the ones on `lora_A`/`lora_B` are the
+gradients of the adapter's parameters: what LESS indexes.
+
+Besides its own dotted name, each such Linear answers to a shorter one (`module_aliases`):
+`q_proj.base_layer` also to `q_proj` (the layer means the same weight with or without LoRA), and
+`q_proj.lora_A.default` also to `q_proj.lora_A` when `default` is an active adapter. Matrices of
+inactive, disabled or merged adapters do not run in the forward, so they are no candidates.
+Duck-typed: PEFT is not a dependency of gradian.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from torch import nn
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a `peft.PeftModel` (LoRA layers injected in place); else `model`.
+
+    Its forward takes `logits_to_keep` (the PeftModel's `**kwargs` forward hides it), and its
+    module names are those of the plain model plus the LoRA children.
+    """
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA wrapper: a `base_layer` and `lora_A`/`lora_B` dicts of adapters."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+
+
+def _adapter_runs(wrapper: nn.Module, adapter: str) -> bool:
+    active = getattr(wrapper, "active_adapters", None) or []
+    return adapter in active and not getattr(wrapper, "disable_adapters", False) and not getattr(wrapper, "merged", False)
+
+
+def module_aliases(model: nn.Module) -> Dict[str, List[str]]:
+    """Every `nn.Linear` that runs in the forward -> the names it answers to (its own first).
+
+    Plain models: each Linear answers to its own name only. In PEFT LoRA layers, see the module
+    docstring; LoRA matrices of adapters that do not run are left out.
+    """
+    modules = dict(model.named_modules())
+    names: Dict[str, List[str]] = {}
+    for name, module in modules.items():
+        if not isinstance(module, nn.Linear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        wrapper = modules.get(parent) if parent else None
+        if wrapper is not None and is_lora_layer(wrapper) and leaf == "base_layer":
+            names[name] = [name, parent]
+            continue
+        grand, _, kind = parent.rpartition(".")
+        wrapper = modules.get(grand) if grand else None
+        if wrapper is not None and is_lora_layer(wrapper) and kind.startswith("lora_"):
+            if _adapter_runs(wrapper, leaf):
+                names[name] = [name, parent]
+            continue
+        names[name] = [name]
+    return names
