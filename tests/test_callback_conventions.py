@@ -1,0 +1,111 @@
+"""GradientIndexer follows Lightning's conventions: arguments checked at construction, state in
+checkpoints (a resumed fit carries on indexing), printing on rank 0 only."""
+
+import logging
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from gradian_lightning import GradientIndexer, open_index
+from gradian_lightning.data import JsonlDataset, collate
+from gradian_lightning.errors import ConfigError
+
+from conftest import make_model
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"path": ""}, "GradientIndexer(path='') is not allowed; use a non-empty directory path (str or Path)"),
+        ({"path": "runs/{name}"}, "GradientIndexer(path='runs/{name}'): the only placeholder a path may hold is {step}"),
+        ({"seed": 1.5}, "GradientIndexer(seed=1.5) is not allowed; use an integer"),
+        ({"dataloader_idx": -1}, "GradientIndexer(dataloader_idx=-1) is not allowed; use an integer >= 0"),
+        ({"model_attribute": ""}, "GradientIndexer(model_attribute='') is not allowed"),
+        ({"overwrite": "yes"}, "GradientIndexer(overwrite='yes') is not allowed; use True or False"),
+        ({"meta": {"when": float("nan")}}, "GradientIndexer(meta=...) cannot be stored in the index attributes"),
+        ({"meta": {"path": Path("x")}}, "GradientIndexer(meta=...) cannot be stored in the index attributes"),
+        ({"projection_dim": 2.5}, "setting 'grads.projection_dim'=2.5 is not allowed"),
+        ({"module_filter": []}, "setting 'grads.module_filter'=[]: must be a module name pattern"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_with_one_line(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        GradientIndexer(**{"path": "ix", **kwargs})
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+class FineTune(L.LightningModule):
+    def __init__(self, model, crash_at_step=None):
+        super().__init__()
+        self.model, self.crash_at_step = model, crash_at_step
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+
+    def validation_step(self, batch, batch_idx):
+        # A crash in the middle of the indexing run of one step (after its first batch).
+        if self.global_step == self.crash_at_step and batch_idx == 1:
+            raise RuntimeError("killed")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def fit(tmp_path, tokenizer, dataset, crash_at_step=None, ckpt_path=None, epochs=3):
+    L.seed_everything(0, verbose=False)
+    indexer = GradientIndexer(str(tmp_path / "ix-{step}"), "down_proj", projection_dim=4, storage_dtype="float32", verbose=False)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}")  # saved after each validation run
+    trainer = L.Trainer(
+        callbacks=[indexer, checkpoints], max_epochs=epochs, num_sanity_val_steps=0, accelerator="cpu", devices=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    loader = DataLoader(dataset, batch_size=2, collate_fn=collate)  # 4 training steps per epoch
+    trainer.fit(FineTune(make_model(len(tokenizer)), crash_at_step), loader, DataLoader(dataset, batch_size=3, collate_fn=collate), ckpt_path=ckpt_path)
+    return indexer
+
+
+def test_a_fit_resumed_from_a_checkpoint_continues_indexing_where_it_stopped(tmp_path, tokenizer, rows):
+    dataset = JsonlDataset(rows, tokenizer, 64)
+    whole = fit(tmp_path / "whole", tokenizer, dataset)
+    assert [(r["step"], r["rows"], r["complete"]) for r in whole.runs] == [(4, 7, True), (8, 7, True), (12, 7, True)]
+
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(tmp_path / "cut", tokenizer, dataset, crash_at_step=8)  # dies indexing step 8, after the step-4 checkpoint
+    assert not open_index(tmp_path / "cut" / "ix-8").meta["complete"]
+    resumed = fit(tmp_path / "cut", tokenizer, dataset, ckpt_path=tmp_path / "cut" / "ckpt" / "step=4.ckpt")
+    # The step-4 run comes back from the checkpoint; step 8 is indexed again from the same weights, then 12.
+    assert [(r["step"], r["rows"], r["complete"]) for r in resumed.runs] == [(4, 7, True), (8, 7, True), (12, 7, True)]
+    assert resumed.runs[0]["path"] == str(tmp_path / "cut" / "ix-4")
+    for step in (4, 8, 12):
+        got, want = open_index(tmp_path / "cut" / f"ix-{step}"), open_index(tmp_path / "whole" / f"ix-{step}")
+        assert got.meta["complete"] and got.meta["global_step"] == step
+        np.testing.assert_allclose(got.rows(slice(None)).numpy(), want.rows(slice(None)).numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_state_dict_round_trip_and_settings_change_warning(tmp_path):
+    a = GradientIndexer(tmp_path / "ix", "down_proj", projection_dim=4)
+    a.runs = [{"step": 3, "path": str(tmp_path / "ix"), "rows": 7, "complete": True}]
+    b = GradientIndexer(tmp_path / "ix", "down_proj", projection_dim=4)
+    b.load_state_dict(a.state_dict())
+    assert b.runs == a.runs and b.state_key == a.state_key
+    assert GradientIndexer(tmp_path / "other", "down_proj").state_key != a.state_key  # two indexers, two checkpoint entries
+    c = GradientIndexer(tmp_path / "ix", "down_proj", projection_dim=8)
+    with pytest.warns(UserWarning, match="projection_dim 4 -> 8"):
+        c.load_state_dict(a.state_dict())
+
+
+def test_summary_line_goes_through_lightnings_rank_zero_logger_and_verbose_false_silences_it(tmp_path, tokenizer, rows, caplog):
+    dataset = JsonlDataset(rows, tokenizer, 64)
+    loader = DataLoader(dataset, batch_size=4, collate_fn=collate)
+    module = FineTune(make_model(len(tokenizer)))
+    kwargs = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        L.Trainer(callbacks=[GradientIndexer(tmp_path / "a", "down_proj", 4)], **kwargs).validate(module, loader, verbose=False)
+        L.Trainer(callbacks=[GradientIndexer(tmp_path / "b", "down_proj", 4, verbose=False)], **kwargs).validate(module, loader, verbose=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GradientIndexer:") and r.name == "lightning.pytorch.utilities.rank_zero"]
+    assert lines == [f"GradientIndexer: step 0: 7/7 rows in {tmp_path / 'a'} (complete)"]
