@@ -9,6 +9,7 @@ vocabulary, the parameter bytes and the widths of the selected modules.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -16,6 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradian_lightning.config import STORAGE_DTYPES, module_patterns, require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
@@ -61,8 +63,47 @@ def model_dtype(cfg: DictConfig, config: Any) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool) -> int:
-    """Bytes autograd keeps for backward in one forward of `tokens` tokens through `layers` layers."""
+class _WeightCasts(TorchDispatchMode):
+    """Notes the storage of every dtype conversion of a weight (what autocast makes of a Linear's weight)."""
+
+    def __init__(self, weights: set) -> None:
+        super().__init__()
+        self.weights, self.copies = weights, set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and args[0].untyped_storage().data_ptr() in self.weights:
+            self.copies.add(out.untyped_storage().data_ptr())
+        return out
+
+
+# Lightning's `trainer.precision` -> (dtype the weights are converted to, None: as loaded; autocast dtype or None).
+PRECISIONS = {
+    "32-true": (None, None), "32": (None, None), "64-true": (torch.float64, None), "64": (torch.float64, None),
+    "bf16-true": (torch.bfloat16, None), "16-true": (torch.float16, None),
+    "bf16-mixed": (None, torch.bfloat16), "bf16": (None, torch.bfloat16), "16-mixed": (None, torch.float16), "16": (None, torch.float16),
+}
+
+
+def precision_dtypes(cfg: DictConfig, config: Any) -> Tuple[torch.dtype, Optional[torch.dtype]]:
+    """(dtype of the weights while indexing, autocast dtype or None) under `trainer.precision`.
+
+    `*-true` converts the weights (Lightning does it before validation), `*-mixed` keeps them and
+    runs the forward under autocast. Unset means "32-true": the weights stay as `model.dtype` loads them.
+    """
+    precision = str(cfg.trainer.get("precision", None) or "32-true")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"setting 'trainer.precision'={precision!r} is not one gradian plan can predict; use one of {', '.join(PRECISIONS)}")
+    weights, autocast = PRECISIONS[precision]
+    return weights or model_dtype(cfg, config), autocast
+
+
+def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool, autocast: Optional[torch.dtype] = None) -> int:
+    """Bytes autograd keeps for backward in one forward of `tokens` tokens through `layers` layers.
+
+    Under `autocast`, the low-precision copies of Linear weights it saves are left out: they do not
+    grow with tokens (`autocast_weight_bytes` counts them once).
+    """
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
@@ -76,30 +117,33 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
         for p in model.parameters():
             p.normal_(0, 0.02)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    casts = _WeightCasts(weights)  # autocast's copies of the weights: counted once, not per token
     saved: Dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:  # weights are saved too, but they are not activations
+        if storage.data_ptr() not in weights and storage.data_ptr() not in casts.copies:  # weights are saved too, but they are not activations
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
     ids = torch.randint(0, min(100, config.vocab_size), (1, tokens))
     no_logits = torch.zeros(1, tokens, dtype=torch.bool)  # the logits are accounted for separately
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+    mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), mixed, casts:
         model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=no_logits, use_cache=False)
     return sum(saved.values())
 
 
-def activation_bytes_per_token(config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32) -> int:
+def activation_bytes_per_token(config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None) -> int:
     """Bytes of activations kept for backward per token (prompt, completion and padding alike).
 
     Measured, not modelled: one forward of a 1-layer and a 2-layer copy of the architecture (random
-    weights, full width) under `saved_tensors_hooks`; the difference is one layer's share, scaled to
-    every layer, plus what the 1-layer model keeps outside its layer.
+    weights of `dtype`, full width, under `autocast` when given) under `saved_tensors_hooks`; the
+    difference is one layer's share, scaled to every layer, plus what the 1-layer model keeps
+    outside its layer.
     """
-    one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code)
-    two = _saved_activation_bytes(config, 2, dtype, tokens, trust_remote_code)
+    one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code, autocast)
+    two = _saved_activation_bytes(config, 2, dtype, tokens, trust_remote_code, autocast)
     per_layer = two - one
     return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
 
@@ -136,9 +180,11 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
     projector = KroneckerProjector(select_modules(model, module_patterns(g.module_filter)), g.projection_dim, g.seed)
-    dtype = model_dtype(cfg, config)
+    dtype, autocast = precision_dtypes(cfg, config)
     weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
-    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code)
+    if autocast is not None:  # autocast keeps a low-precision copy of every Linear weight for backward
+        weights += sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * torch.empty((), dtype=autocast).element_size()
+    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code, autocast=autocast)
 
     counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
     lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
@@ -167,6 +213,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
             "typical": int(round(b * counts.mean() * vocab * FP32_BYTES)),
             "largest_batch_in_index_order": fp32_logit_bytes(in_order, vocab),
         },
+        "precision": {"trainer.precision": str(cfg.trainer.get("precision", None) or "32-true"), "weights_dtype": str(dtype).replace("torch.", ""), "autocast_dtype": None if autocast is None else str(autocast).replace("torch.", "")},
         "weights_bytes": int(weights),
         "activation_bytes_per_token": act,
         "logit_peak_copies": LOGIT_PEAK_COPIES,
@@ -188,7 +235,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
 def format_plan(plan: Dict[str, Any]) -> str:
     """The plan as the lines `gradian plan` prints."""
     s, f = plan["supervised_tokens"], plan["fp32_logits_bytes"]
-    n, copies = plan["rows"], plan["logit_peak_copies"]
+    n, copies, pr = plan["rows"], plan["logit_peak_copies"], plan["precision"]
     lines = [
         f"gradian plan: {n} rows of {plan['data']} at grads.max_seq_length={plan['max_seq_length']}, model {plan['model']} (vocab {plan['vocab_size']:,})",
         f"  supervised tokens per row: max {s['max']}, p95 {s['p95']:.1f}, mean {s['mean']:.1f}, min {s['min']}",
@@ -197,6 +244,8 @@ def format_plan(plan: Dict[str, Any]) -> str:
         f"    worst case (the {min(plan['batch_size'], n)} rows with most supervised tokens): {human_bytes(f['worst_case'])}",
         f"    typical (batch_size × mean): {human_bytes(f['typical'])}",
         f"    largest batch in gradian index's order: {human_bytes(f['largest_batch_in_index_order'])}",
+        f"  trainer.precision={pr['trainer.precision']}: weights in {pr['weights_dtype']}"
+        + (f", forward under {pr['autocast_dtype']} autocast (its weight copies counted with the weights)" if pr["autocast_dtype"] else ""),
         f"  activations kept for backward: {human_bytes(plan['activation_bytes_per_token'])} per token (prompt and padding included)",
         f"  predicted peak (weights {human_bytes(plan['weights_bytes'])} + activations + {copies} × fp32 logits): "
         f"worst case {human_bytes(plan['peak_bytes']['worst_case'])}, typical {human_bytes(plan['peak_bytes']['typical'])}, "
