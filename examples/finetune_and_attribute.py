@@ -127,7 +127,8 @@ def main(argv: list | None = None) -> int:
         logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.smoke, default_root_dir=args.out,
     )
     lr = args.lr if args.lr is not None else (1e-2 if args.model == "tiny" else 2e-3)
-    trainer.fit(LoRAFineTune(model, lr), train_dataloaders=shuffled, val_dataloaders=in_order)
+    # from_pretrained returns the model in eval mode; training mode is what fine-tuning means (dropout, if any).
+    trainer.fit(LoRAFineTune(model.train(), lr), train_dataloaders=shuffled, val_dataloaders=in_order)
     fitted = time.perf_counter()
 
     for run in indexer.runs:

@@ -56,7 +56,7 @@ class FineTune(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def fit(tmp_path, tokenizer, dataset, crash_at_step=None, ckpt_path=None, epochs=3):
+def fit(tmp_path, tokenizer, dataset, crash_at_step=None, ckpt_path=None, epochs=2):
     L.seed_everything(0, verbose=False)
     indexer = GradientIndexer(str(tmp_path / "ix-{step}"), "down_proj", projection_dim=4, storage_dtype="float32", verbose=False)
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}")  # saved after each validation run
@@ -72,19 +72,38 @@ def fit(tmp_path, tokenizer, dataset, crash_at_step=None, ckpt_path=None, epochs
 def test_a_fit_resumed_from_a_checkpoint_continues_indexing_where_it_stopped(tmp_path, tokenizer, rows):
     dataset = JsonlDataset(rows, tokenizer, 64)
     whole = fit(tmp_path / "whole", tokenizer, dataset)
-    assert [(r["step"], r["rows"], r["complete"]) for r in whole.runs] == [(4, 7, True), (8, 7, True), (12, 7, True)]
+    assert [(r["step"], r["rows"], r["complete"]) for r in whole.runs] == [(4, 7, True), (8, 7, True)]
 
     with pytest.raises(RuntimeError, match="killed"):
         fit(tmp_path / "cut", tokenizer, dataset, crash_at_step=8)  # dies indexing step 8, after the step-4 checkpoint
     assert not open_index(tmp_path / "cut" / "ix-8").meta["complete"]
     resumed = fit(tmp_path / "cut", tokenizer, dataset, ckpt_path=tmp_path / "cut" / "ckpt" / "step=4.ckpt")
-    # The step-4 run comes back from the checkpoint; step 8 is indexed again from the same weights, then 12.
-    assert [(r["step"], r["rows"], r["complete"]) for r in resumed.runs] == [(4, 7, True), (8, 7, True), (12, 7, True)]
+    # The step-4 run comes back from the checkpoint; step 8 is indexed again, from the same weights.
+    assert [(r["step"], r["rows"], r["complete"]) for r in resumed.runs] == [(4, 7, True), (8, 7, True)]
     assert resumed.runs[0]["path"] == str(tmp_path / "cut" / "ix-4")
-    for step in (4, 8, 12):
+    for step in (4, 8):
         got, want = open_index(tmp_path / "cut" / f"ix-{step}"), open_index(tmp_path / "whole" / f"ix-{step}")
         assert got.meta["complete"] and got.meta["global_step"] == step
         np.testing.assert_allclose(got.rows(slice(None)).numpy(), want.rows(slice(None)).numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_resuming_past_an_interrupted_indexing_run_says_so(tmp_path, tokenizer, rows):
+    """A checkpoint saved before its own step's validation run (every_n_train_steps) resumes after it."""
+    dataset = JsonlDataset(rows, tokenizer, 64)
+
+    def run(crash_at_step=None, ckpt_path=None):
+        indexer = GradientIndexer(str(tmp_path / "ix-{step}"), "down_proj", projection_dim=4, verbose=False)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}")
+        trainer = L.Trainer(callbacks=[indexer, checkpoints], max_steps=8, val_check_interval=4, num_sanity_val_steps=0, accelerator="cpu",
+                            logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        loader = DataLoader(dataset, batch_size=1, collate_fn=collate)
+        trainer.fit(FineTune(make_model(len(tokenizer)), crash_at_step), loader, DataLoader(dataset, batch_size=3, collate_fn=collate), ckpt_path=ckpt_path)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run(crash_at_step=4)
+    with pytest.warns(UserWarning, match=r"ix-4 of step 4, where this fit resumes, was left incomplete"):
+        run(ckpt_path=tmp_path / "ckpt" / "step=4.ckpt")
+    assert not open_index(tmp_path / "ix-4").meta["complete"]
 
 
 def test_state_dict_round_trip_and_settings_change_warning(tmp_path):

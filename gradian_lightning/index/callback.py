@@ -26,7 +26,7 @@ from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.index.layout import fingerprint
+from gradian_lightning.index.layout import fingerprint, read_meta
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.versions import package_versions
 
@@ -167,6 +167,22 @@ class GradientIndexer(L.Callback):
         self.modules = select_modules(self.model, self.patterns)
         self.projector = KroneckerProjector(self.modules, self.projection_dim, self.seed)
         self.capture = LinearCapture(self.modules)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A checkpoint saved at step S before S's validation run (ModelCheckpoint(every_n_train_steps=...))
+        # resumes after that run: Lightning never repeats it, so an index it left unfinished stays so.
+        if trainer.ckpt_path is None or not trainer.is_global_zero:
+            return
+        path = self.path_template.format(step=trainer.global_step)
+        try:
+            meta = read_meta(path)
+        except GradianError:
+            return
+        if meta.get("global_step") == trainer.global_step and not meta.get("complete"):
+            rank_zero_warn(
+                f"GradientIndexer: the index {path} of step {trainer.global_step}, where this fit resumes, was left incomplete and Lightning will not repeat "
+                "that validation run; finish it with trainer.validate(..., ckpt_path=...) before resuming, or checkpoint after validation (ModelCheckpoint's default)"
+            )
 
     def _active(self, trainer: L.Trainer, dataloader_idx: int = 0) -> bool:
         return not trainer.sanity_checking and dataloader_idx == self.dataloader_idx

@@ -101,7 +101,7 @@ def run_quickstart(out_dir: str | Path = "runs/quickstart", epochs: int = 12, ba
     # Validation runs once, after the last epoch: that is when the index is written.
     indexer = GradientIndexer(
         out_dir / "index", module_filter=["down_proj", "o_proj"], projection_dim=16, storage_dtype="float16", seed=seed, overwrite=True,
-        meta={"data": {"path": str(TRAIN), "max_seq_length": max_seq_length}},
+        meta={"data": {"path": str(TRAIN), "max_seq_length": max_seq_length}}, verbose=False,
     )
     trainer = L.Trainer(
         max_epochs=epochs, check_val_every_n_epoch=epochs, num_sanity_val_steps=0, accelerator="cpu", devices=1,
