@@ -26,6 +26,7 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, JsonlDataset, collate, open_index, query_gradients, read_jsonl
+from gradian_lightning.data import row_snippet
 from gradian_lightning.recipes.quickstart import QUERIES, TRAIN, tiny_llama, word_tokenizer
 
 SMOLLM2 = Path(os.environ.get("GRADIAN_SMOLLM2", Path.home() / ".cache" / "gradian" / "smollm2-135m-instruct"))
@@ -71,17 +72,6 @@ def load(model_name: str, train: list, queries: list):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32), AutoTokenizer.from_pretrained(model_name), model_name
-
-
-def snippet(row: dict, width: int = 60) -> str:
-    if "prompt" in row:
-        text = f"{row['prompt']} → {row['completion']}"
-    elif "messages" in row:
-        text = " | ".join(str(m.get("content", "")) for m in row["messages"])
-    else:
-        text = str(row.get("text", ""))
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def main(argv: list | None = None) -> int:
@@ -141,10 +131,10 @@ def main(argv: list | None = None) -> int:
     ids = index.column("id")
     print(f"\n{'query':<24} {'rank':>4} {'score':>7}  {'training row':<24} text")
     for q, query in enumerate(query_rows):
-        print(f"{str(query.get('id', q))[:24]:<24} {'':>4} {'':>7}  {'':<24} {snippet(query)}")
+        print(f"{str(query.get('id', q))[:24]:<24} {'':>4} {'':>7}  {'':<24} {row_snippet(query, 60)}")
         for rank in range(args.top_k):
             i = int(top.indices[q, rank])
-            print(f"{'':<24} {rank + 1:>4} {float(top.scores[q, rank]):+.4f}  {str(ids[i])[:24]:<24} {snippet(train_rows[i])}")
+            print(f"{'':<24} {rank + 1:>4} {float(top.scores[q, rank]):+.4f}  {str(ids[i])[:24]:<24} {row_snippet(train_rows[i], 60)}")
     done = time.perf_counter()
     print(f"\n{model_name}: fine-tuned {args.epochs} epochs on {len(train_rows)} rows with LoRA r={args.lora_r} and indexed {len(indexer.runs)} times "
           f"in {fitted - started:.1f} s; {len(query_rows)} queries in {done - fitted:.1f} s")

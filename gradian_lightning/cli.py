@@ -53,21 +53,9 @@ def _plan(args: argparse.Namespace) -> None:
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
 
 
-def _snippet(row: Optional[dict], width: int) -> str:
-    """One line of a data row's text (prompt → completion, the chat turns, or the text), cut to `width`."""
-    if row is None:
-        return ""
-    if "prompt" in row and "completion" in row:
-        text = f"{row['prompt']} → {row['completion']}"
-    elif "messages" in row:
-        text = " | ".join(str(m.get("content", "")) for m in row["messages"])
-    else:
-        text = str(row.get("text", ""))
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def _print_query_table(results: List[dict], queries: List[dict], train_rows: Optional[List[dict]], shown: int = 10, width: int = 72) -> None:
+    from gradian_lightning.data import row_snippet as _snippet
+
     for result, query in zip(results, queries):
         print(f"\nquery {result['query_id']}: {_snippet(query, width)}")
         for key, label in (("results", "rank"), ("opponents", "opp.")):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset
@@ -59,6 +59,20 @@ def row_format(row: Dict[str, Any]) -> str:
     if "text" in row:
         return "text"
     raise DataError(f"row has keys {sorted(row)}; expected prompt+completion, messages, or text")
+
+
+def row_snippet(row: Optional[Dict[str, Any]], width: int = 72) -> str:
+    """One line of a data row's text (prompt → completion, the chat turns, or the text), cut to `width` characters."""
+    if row is None:
+        return ""
+    if "prompt" in row and "completion" in row:
+        text = f"{row['prompt']} → {row['completion']}"
+    elif "messages" in row:
+        text = " | ".join(str(m.get("content", "")) for m in row["messages"])
+    else:
+        text = str(row.get("text", ""))
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _render(tokenizer: Any, messages: Sequence[Dict[str, Any]], generation_prompt: bool) -> str:

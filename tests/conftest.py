@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -84,3 +85,14 @@ def saved_model(tmp_path_factory, tokenizer) -> Path:
     make_model(len(tokenizer)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+class ValidateOnly(L.LightningModule):
+    """Holds a model; its validation step does nothing, so a GradientIndexer's work is the only work."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def validation_step(self, batch, batch_idx):
+        return None

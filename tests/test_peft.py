@@ -14,18 +14,9 @@ from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
 
-from conftest import make_model
+from conftest import ValidateOnly, make_model
 
 peft = pytest.importorskip("peft")
-
-
-class Module(L.LightningModule):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def validation_step(self, batch, batch_idx):
-        return None
 
 
 def lora(tokenizer, targets, r=4):
@@ -37,7 +28,7 @@ def lora(tokenizer, targets, r=4):
 def run(tmp_path, model, dataset, module_filter, dim):
     indexer = GradientIndexer(tmp_path / "ix", module_filter, projection_dim=dim, storage_dtype="float32", seed=5, verbose=False)
     L.Trainer(callbacks=[indexer], accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path).validate(
-        Module(model), DataLoader(dataset, batch_size=3, collate_fn=collate), verbose=False
+        ValidateOnly(model), DataLoader(dataset, batch_size=3, collate_fn=collate), verbose=False
     )
     return open_index(tmp_path / "ix")
 
@@ -123,7 +114,7 @@ def test_model_attribute_naming_the_peft_model_and_queries_through_it(tmp_path, 
     dataset = JsonlDataset(rows, tokenizer, 64)
     indexer = GradientIndexer(tmp_path / "ix", "lora_B", projection_dim=4, storage_dtype="float32", model_attribute="model", verbose=False)
     L.Trainer(callbacks=[indexer], accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
-        Module(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False
+        ValidateOnly(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False
     )
     index = open_index(tmp_path / "ix")
     assert [m["name"] for m in index.meta["modules"]] == [f"model.layers.{i}.self_attn.{p}.lora_B.default" for i in range(2) for p in ("q_proj", "v_proj")]

@@ -16,21 +16,12 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.recipes.plan import activation_bytes_per_token, make_plan
 
-from conftest import ROWS, make_model, write_jsonl
+from conftest import ROWS, ValidateOnly, make_model, write_jsonl
 
 # Measured on this suite's tiny Llama (hidden 64, random init): the largest per-row relative error
 # ‖row - fp32 row‖ / ‖fp32 row‖ was 0.0086 under bf16-mixed and 0.0093 under bf16-true (bf16 keeps
 # 8 bits of mantissa: 2^-8 = 0.004 per rounding). The bound leaves room for other seeds and shapes.
 ROW_TOLERANCE = 0.03
-
-
-class Module(L.LightningModule):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def validation_step(self, batch, batch_idx):
-        return None
 
 
 class Tensors(TorchDispatchMode):
@@ -53,7 +44,7 @@ def index_rows(tmp_path, tokenizer, dataset, precision, record=None):
     indexer = GradientIndexer(tmp_path / precision, ["down_proj", "q_proj"], projection_dim=8, storage_dtype="float32", verbose=False)
     trainer = L.Trainer(callbacks=[indexer], accelerator="cpu", precision=precision, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     with record or contextlib.nullcontext():
-        trainer.validate(Module(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False)
+        trainer.validate(ValidateOnly(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False)
     return open_index(tmp_path / precision)
 
 
