@@ -15,6 +15,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
     gradients/                 the gradient path, plain torch: no Lightning, no zarr
       capture.py               select_modules, LinearCapture (hooks on the selected Linears)
+      peft.py                  PEFT LoRA models: the model to hook, the names lora_A/lora_B/base layers answer to
       loss.py                  supervised_token_loss: fp32 gather-then-upcast
       memory.py                the byte arithmetic of that loss's fp32 peak
       projection.py            KroneckerProjector

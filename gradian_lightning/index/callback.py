@@ -181,7 +181,7 @@ class GradientIndexer(L.Callback):
         if meta.get("global_step") == trainer.global_step and not meta.get("complete"):
             rank_zero_warn(
                 f"GradientIndexer: the index {path} of step {trainer.global_step}, where this fit resumes, was left incomplete and Lightning will not repeat "
-                "that validation run; finish it with trainer.validate(..., ckpt_path=...) before resuming, or checkpoint after validation (ModelCheckpoint's default)"
+                "that validation run; resume from an earlier checkpoint to repeat it, or checkpoint after validation runs (ModelCheckpoint's default)"
             )
 
     def _active(self, trainer: L.Trainer, dataloader_idx: int = 0) -> bool:
