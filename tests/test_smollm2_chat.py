@@ -62,8 +62,6 @@ def test_index_and_query_chat_rows_with_the_cli(tmp_path, capsys):
     results = [json.loads(line) for line in out.read_text().splitlines()]
     top = {r["query_id"]: [h["id"] for h in r["results"]] for r in results}
     printed = capsys.readouterr().out
-    with capsys.disabled():
-        print({r["query_id"]: [(h["id"], round(h["score"], 3)) for h in r["results"]] for r in results})
     assert top["chat-fr"][0] == "chat-fr"  # a training row finds itself
     assert top["q-chat-fr"][0] == "chat-fr" and top["q-chat-shakespeare"][0] == "chat-shakespeare"  # paraphrases find their source
     assert results[0]["results"][0]["score"] > 0.99
