@@ -64,6 +64,8 @@ class GradientIndexer(L.Callback):
             default: the top-most `transformers.PreTrainedModel` found.
         overwrite: replace an index of another configuration found at `path`.
         meta: extra plain data stored in the index attributes (the CLI stores its config).
+        rows_per_chunk: rows per stored grads chunk (default: about 4 MiB of them); a killed run
+            loses at most the chunks it had not finished, and resumes from the rest.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class GradientIndexer(L.Callback):
         model_attribute: Optional[str] = None,
         overwrite: bool = False,
         meta: Optional[Dict[str, Any]] = None,
+        rows_per_chunk: Optional[int] = None,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
@@ -87,6 +90,7 @@ class GradientIndexer(L.Callback):
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
         self.dataloader_idx, self.model_attribute, self.overwrite = dataloader_idx, model_attribute, overwrite
         self.extra_meta = dict(meta or {})
+        self.rows_per_chunk = rows_per_chunk
         self.summary: Optional[Dict[str, Any]] = None  # set on rank 0 after each indexing run
         self._writer: Optional[IndexWriter] = None
         self._todo: Optional[np.ndarray] = None
@@ -134,6 +138,7 @@ class GradientIndexer(L.Callback):
             "loss": {"kind": "supervised_token_sum", "dtype": "float32"},
             "versions": package_versions(),
             "global_step": int(trainer.global_step),
+            "identity": identity,  # what the fingerprint hashes, kept so a refusal can name what differs
             "fingerprint": fingerprint({**identity, "num_rows": num_rows}),
         }
 
@@ -145,7 +150,7 @@ class GradientIndexer(L.Callback):
         path = self.path_template.format(step=trainer.global_step)
         todo = None
         if trainer.is_global_zero:
-            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, self._meta(trainer, num_rows), self.overwrite)
+            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, self._meta(trainer, num_rows), self.overwrite, self.rows_per_chunk)
             todo = self._writer.todo
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self._rows_done = 0
@@ -223,13 +228,9 @@ class GradientIndexer(L.Callback):
         if trainer.is_global_zero:
             writer, self._writer = self._writer, None
             complete = writer.close()
-            self.summary = summarize(writer, complete)
+            self.summary = {**summarize(writer, complete), "computed_rows": self._rows_done}
         self._todo = None
         trainer.strategy.barrier()
-
-
-def _bytes_on_disk(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:
@@ -245,7 +246,8 @@ def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:
         "complete": complete,
         "rows": int(written.sum()),
         "num_rows": writer.num_rows,
-        "bytes_on_disk": _bytes_on_disk(writer.path),
+        "bytes_on_disk": writer.path.bytes_on_disk(),
+        "kept_rows": writer.kept_rows,
         "grads_bytes": int(group["grads"].nbytes),
         "truncated_rows": int(((truncated > 0) & written).sum()),
         "empty_rows": [int(i) for i in empty],
