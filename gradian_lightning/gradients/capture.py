@@ -26,12 +26,27 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
+# What wrappers insert into module names: FSDP1 units, activation-checkpoint wrappers (as Lightning's
+# FSDP strategies apply them) and torch.compile. FSDP2's fully_shard inserts nothing.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A module's name as in the unwrapped model: `_fsdp_wrapped_module.model.layers.0.mlp` -> `model.layers.0.mlp`."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear]:
     """The `nn.Linear` submodules of `model` whose names match any pattern, in model order.
 
+    Names are those of the unwrapped model (`unwrapped_name`), so an index written under FSDP,
+    activation checkpointing or torch.compile names its modules as one written without.
+
     Raises `ConfigError` listing the candidate names when nothing matches.
     """
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {unwrapped_name(name): m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     chosen = {name: m for name, m in linears.items() if any(_matches(name, p) for p in patterns)}
     if not chosen:
         # Layer numbers make the list long and repetitive; show each distinct shape once.

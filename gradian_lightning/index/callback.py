@@ -44,6 +44,24 @@ def find_causal_lm(pl_module: nn.Module, attribute: Optional[str] = None) -> nn.
     raise ConfigError(f"GradientIndexer found no transformers PreTrainedModel inside {type(pl_module).__name__}; pass model_attribute='name_of_the_model_attribute'")
 
 
+def check_strategy(strategy: Any) -> None:
+    """Refuse Lightning's FSDPStrategy (FSDP1) in one line; every other strategy is fine.
+
+    FSDP1 wraps the LightningModule in a root unit whose parameters (embeddings, head, and all of
+    them without an auto-wrap policy) are unsharded only inside the LightningModule's own forward.
+    The indexer calls the Hugging Face model from a callback, where they are still flat shards
+    (torch: "RuntimeError: 'weight' must be 2-D"). FSDP2 (`fully_shard` under ModelParallelStrategy)
+    unshards in each sharded module's own forward, so it works, as does DDP.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy):
+        raise ConfigError(
+            "GradientIndexer cannot run under Lightning's FSDPStrategy (FSDP1): its root unit keeps parameters sharded outside the LightningModule's forward, where the indexer runs the model; "
+            "use ModelParallelStrategy with fully_shard (FSDP2) in configure_model, or DDP (docs/multi-gpu-and-clusters.md)"
+        )
+
+
 class GradientIndexer(L.Callback):
     """Index every example of one validation dataloader: one projected loss-gradient row each.
 
@@ -97,6 +115,7 @@ class GradientIndexer(L.Callback):
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_strategy(trainer.strategy)
         self.model = find_causal_lm(pl_module, self.model_attribute)
         self.modules = select_modules(self.model, self.patterns)
         self.projector = KroneckerProjector(self.modules, self.projection_dim, self.seed)
