@@ -9,10 +9,14 @@ from typing import List, Optional
 from gradian_lightning.errors import GradianError
 
 
-def _print_index_summary(summary: dict) -> None:
+def _print_index_summary(summary: Optional[dict]) -> None:
+    if summary is None:  # a rank other than 0 of a multi-process run: rank 0 reports
+        return
     rows, total = summary["rows"], summary["num_rows"]
     per_row = summary["grads_bytes"] / max(total, 1)
     print(f"gradian index: {rows}/{total} rows written to {summary['path']} ({'complete' if summary['complete'] else 'INCOMPLETE'})")
+    if summary.get("kept_rows"):
+        print(f"  resumed: {summary['kept_rows']} rows kept from an interrupted run, {summary['computed_rows']} computed now")
     print(f"  bytes on disk: {summary['bytes_on_disk']:,} ({per_row:,.0f} bytes per row uncompressed)")
     cut = summary["truncated_rows"]
     print(f"  completions cut by grads.max_seq_length: {cut} ({100.0 * cut / max(total, 1):.1f}%)")

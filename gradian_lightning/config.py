@@ -20,6 +20,7 @@ STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
+ENGINES = ("local", "dask")
 
 
 @dataclass
@@ -50,6 +51,7 @@ class GradsConfig:
 class IndexConfig:
     path: str = "gradian_index"
     overwrite: bool = False  # replace an index of another configuration found at path
+    rows_per_chunk: Optional[int] = None  # rows per stored chunk; null: about 4 MiB of them
 
 
 @dataclass
@@ -59,6 +61,8 @@ class QueryConfig:
     bottom_k: int = 0
     score: str = "cosine"
     normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
+    engine: str = "local"  # "local": stream chunks in this process; "dask": score on a Dask cluster
+    dask_scheduler: Optional[str] = None  # engine dask: scheduler address; null starts a LocalCluster
     output: Optional[str] = None
 
 
@@ -150,7 +154,9 @@ def validate(cfg: DictConfig) -> None:
     _check(q.bottom_k >= 0, "query.bottom_k", q.bottom_k, "an integer >= 0")
     _check(q.score in SCORES, "query.score", q.score, " or ".join(SCORES))
     _check(q.normalize in NORMALIZE, "query.normalize", q.normalize, " or ".join(NORMALIZE))
-    _check(bool(str(cfg.index.path).strip()), "index.path", cfg.index.path, "a directory path for the zarr index")
+    _check(q.engine in ENGINES, "query.engine", q.engine, " or ".join(ENGINES))
+    _check(cfg.index.rows_per_chunk is None or cfg.index.rows_per_chunk >= 1, "index.rows_per_chunk", cfg.index.rows_per_chunk, "an integer >= 1, or null for about 4 MiB per chunk")
+    _check(bool(str(cfg.index.path).strip()), "index.path", cfg.index.path, "a directory path or fsspec URL for the zarr index")
 
 
 def require(cfg: DictConfig, *keys: str) -> None:

@@ -19,8 +19,9 @@ SUPPORTED: Dict[str, Tuple[str, str]] = {
     "zarr": ("3.0", "4"),
     "omegaconf": ("2.3", "2.5"),
     "numpy": ("1.24", "3"),
+    "fsspec": ("2023.10", "2027"),
 }
-PACKAGES = ("gradian-lightning", "torch", "lightning", "transformers", "zarr", "omegaconf", "numpy")
+PACKAGES = ("gradian-lightning", "torch", "lightning", "transformers", "zarr", "omegaconf", "numpy", "fsspec")
 
 
 def package_versions() -> Dict[str, str]:

@@ -39,6 +39,10 @@ def test_json_report_matches_the_environment(capsys, monkeypatch):
     assert backends["hooks"]["available"] and backends["zarr (local)"]["available"]
     s3 = importlib.util.find_spec("s3fs") is not None
     assert backends["zarr via fsspec: s3://"]["available"] == s3
+    assert s3 or "s3fs" in backends["zarr via fsspec: s3://"]["reason"]  # names the package that enables it
+    assert backends["zarr via fsspec: file://"]["available"] and backends["zarr via fsspec: memory://"]["available"]
+    dask = importlib.util.find_spec("distributed") is not None and importlib.util.find_spec("dask") is not None
+    assert backends["dask (query.engine=dask)"]["available"] == dask
     assert all((b["reason"] is None) == b["available"] for b in report["backends"])  # every missing one says why
     if not torch.cuda.is_available():
         assert report["devices"]["cuda"]["reason"] and report["devices"]["cuda"]["devices"] == []

@@ -29,14 +29,28 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
+# What wrappers insert into module names: FSDP1 units, activation-checkpoint wrappers (as Lightning's
+# FSDP strategies apply them) and torch.compile. FSDP2's fully_shard inserts nothing.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A module's name as in the unwrapped model: `_fsdp_wrapped_module.model.layers.0.mlp` -> `model.layers.0.mlp`."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear]:
     """The `nn.Linear` submodules of `model` whose names (or PEFT aliases) match any pattern, in model order.
 
-    Keys are the modules' own dotted names. Raises `ConfigError` listing the candidates when nothing matches.
+    Keys are the modules' own dotted names as in the unwrapped model (`unwrapped_name`), so an
+    index written under FSDP, activation checkpointing or torch.compile names its modules as one
+    written without. Raises `ConfigError` listing the candidates when nothing matches.
     """
     modules = dict(model.named_modules())
-    aliases = module_aliases(model)
-    linears = {name: modules[name] for name in aliases}
+    aliases = {unwrapped_name(name): [unwrapped_name(a) for a in names] for name, names in module_aliases(model).items()}
+    linears = {unwrapped_name(name): modules[name] for name in module_aliases(model)}
     chosen = {name: m for name, m in linears.items() if any(_matches(alias, p) for alias in aliases[name] for p in patterns)}
     if not chosen:
         # Layer numbers make the list long and repetitive; show each distinct shape once.

@@ -67,6 +67,7 @@ def _check_arguments(**given: Any) -> None:
         "overwrite": (isinstance(given["overwrite"], bool), "True or False"),
         "verbose": (isinstance(given["verbose"], bool), "True or False"),
         "meta": (given["meta"] is None or isinstance(given["meta"], dict), "None or a dict of JSON data"),
+        "rows_per_chunk": (given["rows_per_chunk"] is None or (_is_int(given["rows_per_chunk"]) and given["rows_per_chunk"] >= 1), "None or an integer >= 1"),
     }
     for name, (ok, allowed) in rules.items():
         if not ok:
@@ -79,6 +80,23 @@ def _check_arguments(**given: Any) -> None:
         json.dumps(given["meta"] or {}, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"GradientIndexer(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None") from None
+
+def check_strategy(strategy: Any) -> None:
+    """Refuse Lightning's FSDPStrategy (FSDP1) in one line; every other strategy is fine.
+
+    FSDP1 wraps the LightningModule in a root unit whose parameters (embeddings, head, and all of
+    them without an auto-wrap policy) are unsharded only inside the LightningModule's own forward.
+    The indexer calls the Hugging Face model from a callback, where they are still flat shards
+    (torch: "RuntimeError: 'weight' must be 2-D"). FSDP2 (`fully_shard` under ModelParallelStrategy)
+    unshards in each sharded module's own forward, so it works, as does DDP.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy):
+        raise ConfigError(
+            "GradientIndexer cannot run under Lightning's FSDPStrategy (FSDP1): its root unit keeps parameters sharded outside the LightningModule's forward, where the indexer runs the model; "
+            "use ModelParallelStrategy with fully_shard (FSDP2) in configure_model, or DDP (docs/multi-gpu-and-clusters.md)"
+        )
 
 
 class GradientIndexer(L.Callback):
@@ -102,6 +120,8 @@ class GradientIndexer(L.Callback):
         overwrite: replace an index of another configuration found at `path`.
         meta: extra plain data stored in the index attributes (the CLI stores its config); JSON types only.
         verbose: after each indexing run, say on rank 0 what was written (Lightning's logger, INFO).
+        rows_per_chunk: rows per stored grads chunk (default: about 4 MiB of them); a killed run
+            loses at most the chunks it had not finished, and resumes from the rest.
 
     Every argument is checked here, before any Trainer exists: a wrong one is one `ConfigError` line.
     The callback's `state_dict` (saved in Lightning checkpoints) holds how many indexing runs it
@@ -122,18 +142,20 @@ class GradientIndexer(L.Callback):
         overwrite: bool = False,
         meta: Optional[Dict[str, Any]] = None,
         verbose: bool = True,
+        rows_per_chunk: Optional[int] = None,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
         if projection_dim is not None and (not _is_int(projection_dim) or projection_dim < 1):
             raise ConfigError(f"setting 'grads.projection_dim'={projection_dim!r} is not allowed; use an integer >= 1, or null for exact gradients")
-        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose)
+        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose, rows_per_chunk=rows_per_chunk)
         self.path_template = str(path)
         self.patterns = module_patterns(module_filter)
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
         self.dataloader_idx, self.model_attribute, self.overwrite = dataloader_idx, model_attribute, overwrite
         self.extra_meta = dict(meta or {})
         self.verbose = verbose
+        self.rows_per_chunk = rows_per_chunk
         self.summary: Optional[Dict[str, Any]] = None  # set on rank 0 after each indexing run
         # Finished indexing runs, oldest first: {"step", "path", "rows", "complete"}; in the checkpoint.
         self.runs: List[Dict[str, Any]] = []
@@ -163,6 +185,7 @@ class GradientIndexer(L.Callback):
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_strategy(trainer.strategy)
         self.model = find_causal_lm(pl_module, self.model_attribute)
         self.modules = select_modules(self.model, self.patterns)
         self.projector = KroneckerProjector(self.modules, self.projection_dim, self.seed)
@@ -220,6 +243,7 @@ class GradientIndexer(L.Callback):
             "loss": {"kind": "supervised_token_sum", "dtype": "float32"},
             "versions": package_versions(),
             "global_step": int(trainer.global_step),
+            "identity": identity,  # what the fingerprint hashes, kept so a refusal can name what differs
             "fingerprint": fingerprint({**identity, "num_rows": num_rows}),
         }
 
@@ -231,7 +255,7 @@ class GradientIndexer(L.Callback):
         path = self.path_template.format(step=trainer.global_step)
         todo = None
         if trainer.is_global_zero:
-            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, self._meta(trainer, num_rows), self.overwrite)
+            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, self._meta(trainer, num_rows), self.overwrite, self.rows_per_chunk)
             todo = self._writer.todo
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self._rows_done = 0
@@ -309,7 +333,7 @@ class GradientIndexer(L.Callback):
         if trainer.is_global_zero:
             writer, self._writer = self._writer, None
             complete = writer.close()
-            self.summary = summarize(writer, complete)
+            self.summary = {**summarize(writer, complete), "computed_rows": self._rows_done}
         run = {"step": int(trainer.global_step), "path": self.path_template.format(step=trainer.global_step), "rows": None, "complete": None}
         if self.summary is not None and trainer.is_global_zero:
             run.update(rows=self.summary["rows"], complete=self.summary["complete"])
@@ -318,10 +342,6 @@ class GradientIndexer(L.Callback):
         self.runs = [r for r in self.runs if r["step"] != run["step"]] + [run]  # a re-run of a step replaces its entry
         self._todo = None
         trainer.strategy.barrier()
-
-
-def _bytes_on_disk(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:
@@ -337,7 +357,8 @@ def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:
         "complete": complete,
         "rows": int(written.sum()),
         "num_rows": writer.num_rows,
-        "bytes_on_disk": _bytes_on_disk(writer.path),
+        "bytes_on_disk": writer.path.bytes_on_disk(),
+        "kept_rows": writer.kept_rows,
         "grads_bytes": int(group["grads"].nbytes),
         "truncated_rows": int(((truncated > 0) & written).sum()),
         "empty_rows": [int(i) for i in empty],

@@ -16,7 +16,8 @@ Row i is dataset position i, whatever order rows arrive in. Metadata attribute "
 `fingerprint` (what must match to resume), `global_step`, and what the writer was given:
 the resolved config, the module layout, projection, model and package versions.
 
-Readable with plain zarr: `zarr.open_group(path)["grads"][:10]`.
+Readable with plain zarr: `zarr.open_group(path)["grads"][:10]`. `index.path` may be an fsspec URL
+(s3://, gs://, file://, memory://): `location.py` opens it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from typing import Any, Dict
 
 import numpy as np
 import torch
-import zarr
-
 from gradian_lightning.errors import IndexFormatError
+from gradian_lightning.index.location import Location
 
 FORMAT_VERSION = 1
 ATTRIBUTE = "gradian"
@@ -75,11 +75,11 @@ def chunk_rows(width: int, storage_dtype: str) -> int:
     return max(1, CHUNK_BYTES // (width * np.dtype(NUMPY_DTYPE[storage_dtype]).itemsize))
 
 
-def read_meta(path: str | Path) -> Dict[str, Any]:
-    """The "gradian" attribute of the index at `path`; `IndexFormatError` if it is not an index."""
-    path = Path(path)
+def read_meta(path: str | Path | Location) -> Dict[str, Any]:
+    """The "gradian" attribute of the index at `path` (a local path or a URL); `IndexFormatError` if it is not an index."""
+    path = path if isinstance(path, Location) else Location(path)
     try:
-        group = zarr.open_group(str(path), mode="r")
+        group = path.open_group("r")
         meta = dict(group.attrs[ATTRIBUTE])
     except Exception:
         raise IndexFormatError(f"{str(path)!r} is not a Gradian index (no zarr group with a '{ATTRIBUTE}' attribute); point index.path at one written by `gradian index`") from None

@@ -10,9 +10,8 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import zarr
-
 from gradian_lightning.index.layout import decode, read_meta
+from gradian_lightning.index.location import Location
 
 
 class IndexReader:
@@ -22,9 +21,9 @@ class IndexReader:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = Location(path)  # a local directory or an fsspec URL; str() gives it back
         self.meta = read_meta(self.path)
-        self.group = zarr.open_group(str(self.path), mode="r")
+        self.group = self.path.open_group("r")
         self.grads = self.group["grads"]
         self.storage_dtype = self.meta["storage_dtype"]
         self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`

@@ -5,7 +5,6 @@ The layout it writes is described in `layout.py`.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -13,27 +12,58 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.errors import ConfigError
+from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, encode
+from gradian_lightning.index.location import Location
+
+
+def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
+    """The dotted keys of `identity` (what the fingerprint hashes) that differ between two indexes' metadata.
+
+    Each entry reads `key (stored -> now)`; lists (the module layout) are compared whole.
+    """
+    if "identity" not in old or "identity" not in new:  # written by IndexWriter directly, or by an older gradian
+        keys = [k for k in ("fingerprint", "num_rows") if old.get(k) != new.get(k)]
+        return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys] or ["fingerprint"]
+    was, now = _flatten(old["identity"]), _flatten(new["identity"])
+    if old.get("num_rows") != new.get("num_rows"):
+        was["num_rows"], now["num_rows"] = old.get("num_rows"), new.get("num_rows")
+    keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    return [k if isinstance(was.get(k), list) or isinstance(now.get(k), list) else f"{k} ({was.get(k)!r} -> {now.get(k)!r})" for k in keys] or ["fingerprint"]
 
 
 class IndexWriter:
     """Writes rows at their dataset positions, a whole chunk at a time, and resumes killed runs.
 
-    If `path` holds an incomplete index with the same `meta["fingerprint"]` and `global_step`, rows
-    already marked complete are kept and `todo` excludes them. An index of the same fingerprint at
+    `path` is a local directory or an fsspec URL (`location.py`). If it holds an index with the same
+    `meta["fingerprint"]` and `global_step`, rows already marked complete are kept (`kept_rows`)
+    and `todo` excludes them. An index of the same fingerprint at
     another step (the same job, other weights) is replaced. Anything else at `path` is replaced
-    only when `overwrite` is true: a different index or a foreign directory is never lost silently.
+    only when `overwrite` is true: a different index or a foreign directory is never lost silently,
+    and the refusal names the differing keys of `meta["identity"]`. `rows_per_chunk` overrides the
+    ~4 MiB grads chunk (`layout.chunk_rows`): the unit a killed run loses at most.
     """
 
-    def __init__(self, path: str | Path, num_rows: int, width: int, storage_dtype: str, meta: Dict[str, Any], overwrite: bool = False) -> None:
-        self.path, self.num_rows, self.width, self.storage_dtype = Path(path), num_rows, width, storage_dtype
+    def __init__(
+        self, path: str | Path, num_rows: int, width: int, storage_dtype: str, meta: Dict[str, Any], overwrite: bool = False, rows_per_chunk: Optional[int] = None
+    ) -> None:
+        self.path, self.num_rows, self.width, self.storage_dtype = Location(path), num_rows, width, storage_dtype
         self.meta = {**meta, "format_version": FORMAT_VERSION, "num_rows": num_rows, "width": width, "storage_dtype": storage_dtype, "complete": False}
         # A chunk never outgrows the index: uncompressed, the padding of a partial chunk is written out.
-        self.chunk = min(chunk_rows(width, storage_dtype), max(num_rows, 1))
+        self.chunk = min(rows_per_chunk or chunk_rows(width, storage_dtype), max(num_rows, 1))
         self.group = self._open_or_create(overwrite)
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
+        self.kept_rows = int(self.done.sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
         self.nonfinite_rows: List[int] = []
 
@@ -43,19 +73,33 @@ class IndexWriter:
         return ~self.done
 
     def _open_or_create(self, overwrite: bool) -> zarr.Group:
+        try:
+            return self._open_or_create_unchecked(overwrite)
+        except GradianError:
+            raise
+        except Exception as err:  # each filesystem says "read-only" its own way: PermissionError, OSError(EROFS), ValueError, ...
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise ConfigError(
+                f"setting 'index.path'={str(self.path)!r} cannot be written ({type(err).__name__}: {first}); point index.path at a writable directory or bucket"
+            ) from None
+
+    def _open_or_create_unchecked(self, overwrite: bool) -> zarr.Group:
         if self.path.exists():
             old = self._existing_meta()
             same_job = old is not None and old.get("fingerprint") == self.meta.get("fingerprint") and old.get("num_rows") == self.num_rows
             if same_job and old.get("global_step") == self.meta.get("global_step"):
-                return zarr.open_group(str(self.path), mode="r+")
+                group = self.path.open_group("r+")
+                group.attrs[ATTRIBUTE] = {**old, "complete": False}  # the first write: a read-only store fails here, not after the first chunk
+                return group
             if not (same_job or overwrite):
-                what = "a Gradian index of another configuration" if old is not None else "something that is not a Gradian index"
-                raise ConfigError(f"index.path {str(self.path)!r} holds {what}; choose another index.path or pass index.overwrite=true to replace it")
-            if self.path.is_dir():
-                shutil.rmtree(self.path)
-            else:
-                self.path.unlink()
-        group = zarr.open_group(str(self.path), mode="w")
+                if old is None:
+                    raise ConfigError(f"index.path {str(self.path)!r} holds something that is not a Gradian index; choose another index.path or pass index.overwrite=true to replace it")
+                raise ConfigError(
+                    f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.meta))}); "
+                    "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
+                )
+            self.path.remove()
+        group = self.path.open_group("w")
         # No compressor: zstd saved 7% on float16 gradients (benchmarks/RESULTS.md, index size) but
         # cut the read rate that bounds query throughput by 3-4x.
         group.create_array(
@@ -69,7 +113,7 @@ class IndexWriter:
 
     def _existing_meta(self) -> Optional[Dict[str, Any]]:
         try:
-            return dict(zarr.open_group(str(self.path), mode="r").attrs[ATTRIBUTE])
+            return dict(self.path.open_group("r").attrs[ATTRIBUTE])
         except Exception:
             return None
 

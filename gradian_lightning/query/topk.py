@@ -58,6 +58,48 @@ def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch
     return rows
 
 
+def prepare_queries(
+    index: IndexReader, query_rows: torch.Tensor, k: int, score: str, bottom_k: int, normalize: str, device: Optional[torch.device | str] = None
+) -> tuple[torch.Tensor, Sequence[Dict[str, Any]]]:
+    """Check the query settings and scale the query rows as `score`/`normalize` say, once per query.
+
+    Returns (queries [Q, D] float32 on `device` (default: the rows' device), the index's module
+    blocks). Raises `ConfigError` for a bad setting, `IndexMismatchError` for rows of another width.
+    """
+    if score not in SCORES:
+        raise ConfigError(f"setting 'query.score'={score!r} is not allowed; use {' or '.join(SCORES)}")
+    if normalize not in NORMALIZE:
+        raise ConfigError(f"setting 'query.normalize'={normalize!r} is not allowed; use {' or '.join(NORMALIZE)}")
+    if k < 1 or bottom_k < 0:
+        raise ConfigError(f"top_k={k}, bottom_k={bottom_k}: use top_k >= 1 and bottom_k >= 0")
+    width = int(index.meta["width"])
+    if query_rows.dim() != 2 or query_rows.shape[1] != width:
+        raise IndexMismatchError(f"query rows have shape {tuple(query_rows.shape)} but the index at {str(index.path)!r} holds rows of width {width}; compute them with query_gradients on this index")
+    device = torch.device(device) if device is not None else query_rows.device
+    queries = query_rows.detach().to(device=device, dtype=torch.float32)
+    # An index written without a module layout (by IndexWriter directly) is one block: the row.
+    blocks = index.meta.get("modules") or [{"offset": 0, "size": width}]
+    if score == "cosine" and normalize == "module":
+        queries = _unit_modules(queries.clone(), blocks) / len(blocks)  # / M: scores are a mean of cosines
+    elif score == "cosine":
+        queries = _unit(queries)
+    return queries, blocks
+
+
+def score_chunk(queries: torch.Tensor, rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str) -> torch.Tensor:
+    """Scores [Q, c] float32 of a chunk of decoded rows [c, D] against `prepare_queries` output [Q, D].
+
+    `rows` must be a fresh tensor (a decoded chunk): per-module cosine normalises it in place.
+    """
+    by_module = score == "cosine" and normalize == "module"
+    if by_module:
+        rows = _unit_modules(rows, blocks)
+    scores = queries @ rows.T  # [Q, c] float32
+    if score == "cosine" and not by_module:  # dividing the scores by the row norms saves normalising a copy of the chunk
+        scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(torch.finfo(rows.dtype).tiny)
+    return scores
+
+
 def streaming_topk(
     index: IndexReader,
     query_rows: torch.Tensor,
@@ -76,24 +118,8 @@ def streaming_topk(
     planted-source sets); "row" the whole row, as in LESS/TrackStar. Each chunk is scored as one
     float32 matmul on `device` (default: the queries' device). Returns (top, bottom or None).
     """
-    if score not in SCORES:
-        raise ConfigError(f"setting 'query.score'={score!r} is not allowed; use {' or '.join(SCORES)}")
-    if normalize not in NORMALIZE:
-        raise ConfigError(f"setting 'query.normalize'={normalize!r} is not allowed; use {' or '.join(NORMALIZE)}")
-    if k < 1 or bottom_k < 0:
-        raise ConfigError(f"top_k={k}, bottom_k={bottom_k}: use top_k >= 1 and bottom_k >= 0")
-    width = int(index.meta["width"])
-    if query_rows.dim() != 2 or query_rows.shape[1] != width:
-        raise IndexMismatchError(f"query rows have shape {tuple(query_rows.shape)} but the index at {str(index.path)!r} holds rows of width {width}; compute them with query_gradients on this index")
-    device = torch.device(device) if device is not None else query_rows.device
-    queries = query_rows.detach().to(device=device, dtype=torch.float32)
-    by_module = score == "cosine" and normalize == "module"
-    # An index written without a module layout (by IndexWriter directly) is one block: the row.
-    blocks = index.meta.get("modules") or [{"offset": 0, "size": width}]
-    if by_module:
-        queries = _unit_modules(queries.clone(), blocks) / len(blocks)  # / M: scores are a mean of cosines
-    elif score == "cosine":
-        queries = _unit(queries)
+    queries, blocks = prepare_queries(index, query_rows, k, score, bottom_k, normalize, device)
+    device = queries.device
     empty = Ranking(torch.empty(len(queries), 0, dtype=torch.long, device=device), torch.empty(len(queries), 0, device=device))
     top, bottom = empty, empty
     for lo, rows in index.chunks():
@@ -104,11 +130,7 @@ def streaming_topk(
                 continue
             rows, positions = rows[keep], positions[keep]
         rows, positions = rows.to(device), positions.to(device)
-        if by_module:
-            rows = _unit_modules(rows, blocks)  # each chunk is a fresh tensor: normalising in place is safe
-        scores = queries @ rows.T  # [Q, c] float32
-        if score == "cosine" and not by_module:  # dividing the scores by the row norms saves normalising a copy of the chunk
-            scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(torch.finfo(rows.dtype).tiny)
+        scores = score_chunk(queries, rows, blocks, score, normalize)  # [Q, c] float32
         top = _merge(top, scores, positions, k, largest=True)
         if bottom_k:
             bottom = _merge(bottom, scores, positions, bottom_k, largest=False)

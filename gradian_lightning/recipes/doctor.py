@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from gradian_lightning.index.location import missing_filesystem
 from gradian_lightning.versions import SUPPORTED, package_versions
 
 
@@ -121,17 +122,13 @@ def _installed(module: str, package: str) -> Optional[str]:
     return None
 
 
-def _remote(protocol: str, module: str, package: str) -> Optional[str]:
-    missing = _installed("fsspec", "fsspec") or _installed(module, package)
-    if missing:
-        return missing
-    import fsspec
+# index.path protocols worth a line: the local ones, the usual object stores, and read-only HTTP.
+PROTOCOLS = ("file", "memory", "s3", "gs", "az", "https")
 
-    try:
-        fsspec.get_filesystem_class(protocol)
-        return None
-    except Exception as err:
-        return f"fsspec cannot load the {protocol}:// filesystem ({type(err).__name__}: {err})"
+
+def _dask() -> Optional[str]:
+    """None when query.engine=dask can run here, else which package is missing."""
+    return _installed("dask.array", "dask[array]") or _installed("distributed", "distributed")
 
 
 def backends_report() -> List[Dict[str, Any]]:
@@ -147,8 +144,9 @@ def backends_report() -> List[Dict[str, Any]]:
         ("gloo", "distributed", None if dist_ok and dist.is_gloo_available() else ("torch.distributed is not built" if not dist_ok else "torch was built without Gloo")),
         ("hooks", "gradient capture", _check_hooks()),
         ("zarr (local)", "storage", _check_local_zarr()),
-        ("zarr via fsspec: s3://", "storage", _remote("s3", "s3fs", "s3fs")),
-        ("zarr via fsspec: gs://", "storage", _remote("gs", "gcsfs", "gcsfs")),
+        # Why a protocol is missing is fsspec's own install hint ("Install s3fs to access S3").
+        *((f"zarr via fsspec: {p}://", "storage", missing_filesystem(p)) for p in PROTOCOLS),
+        ("dask (query.engine=dask)", "query", _dask()),
     ]
     return [{"name": n, "kind": k, "available": why is None, "reason": why} for n, k, why in rows]
 

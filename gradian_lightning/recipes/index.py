@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
@@ -45,8 +45,12 @@ def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
     return L.Trainer(callbacks=callbacks, **kwargs)
 
 
-def run_index(cfg: DictConfig) -> Dict[str, Any]:
-    """Index `cfg.data.train` into `cfg.index.path`. Returns the summary of `GradientIndexer`."""
+def run_index(cfg: DictConfig) -> Optional[Dict[str, Any]]:
+    """Index `cfg.data.train` into `cfg.index.path`. Returns the summary of `GradientIndexer`.
+
+    Under a multi-process strategy (trainer.strategy=ddp, num_nodes > 1) every process runs this and
+    global rank 0 alone writes the index: it returns the summary, the other ranks None.
+    """
     require(cfg, "model.name_or_path", "data.train")
     rows = read_jsonl(cfg.data.train)  # data mistakes fail before the model loads
     meta = {
@@ -55,12 +59,17 @@ def run_index(cfg: DictConfig) -> Dict[str, Any]:
         "data": {"path": str(cfg.data.train), "sha256": file_sha256(cfg.data.train), "max_seq_length": cfg.grads.max_seq_length},
     }
     g = cfg.grads
-    indexer = GradientIndexer(cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, verbose=False)  # the CLI prints the summary
+    indexer = GradientIndexer(
+        cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, rows_per_chunk=cfg.index.rows_per_chunk,
+        verbose=False,  # the CLI prints the summary
+    )
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
     loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
     trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
+    if not trainer.is_global_zero:
+        return None
     if indexer.summary is None:
         raise GradianError("indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)")
     return indexer.summary

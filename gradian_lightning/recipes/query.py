@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -17,6 +18,7 @@ from gradian_lightning.config import require
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.hub import file_sha256, load_model_and_tokenizer
 from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.topk import Index, Ranking, streaming_topk
 
@@ -62,6 +64,17 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     settings = {"module_filter": OmegaConf.to_object(g.module_filter) if OmegaConf.is_config(g.module_filter) else g.module_filter,
                 "projection_dim": g.projection_dim, "seed": g.seed, "storage_dtype": g.storage_dtype}
     check_matches_index(index, settings={k: v for k, v in settings.items() if k != "module_filter"})  # before the model loads
+    with contextlib.ExitStack() as stack:
+        # The cluster first: a scheduler that does not answer fails before the model loads.
+        client = None
+        if cfg.query.engine == "dask":
+            check_workers_can_open(index)
+            client = stack.enter_context(dask_client(cfg.query.dask_scheduler))
+        return _answer(cfg, queries, index, settings, client)
+
+
+def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dict[str, Any], client: Optional[Any]) -> Dict[str, Any]:
+    g = cfg.grads
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
     fabric = L.Fabric(**fabric_kwargs, devices=1)
@@ -69,7 +82,10 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     check_matches_index(index, model, settings)
     model.to(fabric.device)
     rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data))
-    top, bottom = streaming_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, device=fabric.device, normalize=cfg.query.normalize)
+    if client is not None:
+        top, bottom = dask_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, cfg.query.normalize, client=client)
+    else:
+        top, bottom = streaming_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, device=fabric.device, normalize=cfg.query.normalize)
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     if cfg.query.output:
@@ -78,4 +94,5 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     # Snippets only from the very file that was indexed: an edited file no longer lines up.
     same_file = data.get("path") and Path(data["path"]).is_file() and file_sha256(data["path"]) == data.get("sha256")
     train_rows = read_jsonl(data["path"]) if same_file else None
-    return {"results": results, "queries": queries, "train_rows": train_rows, "index": index, "device": str(fabric.device)}
+    where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(fabric.device)
+    return {"results": results, "queries": queries, "train_rows": train_rows, "index": index, "device": where}
