@@ -20,7 +20,7 @@ from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, Gradia
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets
-from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.index.layout import fingerprint
 from gradian_lightning.index.writer import IndexWriter
@@ -64,6 +64,8 @@ class GradientIndexer(L.Callback):
             default: the top-most `transformers.PreTrainedModel` found.
         overwrite: replace an index of another configuration found at `path`.
         meta: extra plain data stored in the index attributes (the CLI stores its config).
+        loss_chunk_tokens: run the output head and fp32 cross-entropy this many supervised tokens
+            at a time (`grads.loss_chunk_tokens`): a bounded loss peak, the same rows; None = all at once.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class GradientIndexer(L.Callback):
         model_attribute: Optional[str] = None,
         overwrite: bool = False,
         meta: Optional[Dict[str, Any]] = None,
+        loss_chunk_tokens: Optional[int] = None,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
@@ -87,6 +90,7 @@ class GradientIndexer(L.Callback):
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
         self.dataloader_idx, self.model_attribute, self.overwrite = dataloader_idx, model_attribute, overwrite
         self.extra_meta = dict(meta or {})
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.summary: Optional[Dict[str, Any]] = None  # set on rank 0 after each indexing run
         self._writer: Optional[IndexWriter] = None
         self._todo: Optional[np.ndarray] = None
@@ -189,7 +193,7 @@ class GradientIndexer(L.Callback):
         with torch.random.fork_rng(devices=devices, device_type=pl_module.device.type), torch.inference_mode(False), torch.enable_grad():
             sub = {k: batch[k][wanted] for k in ("input_ids", "attention_mask", "labels") if k in batch}
             try:
-                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context())
+                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context(), self.loss_chunk_tokens)
             except torch.OutOfMemoryError:
                 raise self._out_of_memory(batch, wanted) from None
             except RuntimeError as err:  # MPS reports running out of memory as a plain RuntimeError
@@ -207,14 +211,21 @@ class GradientIndexer(L.Callback):
         vocab = getattr(head, "out_features", None) or getattr(getattr(self.model, "config", None), "vocab_size", None)
         max_len = (self.extra_meta.get("data") or {}).get("max_seq_length")  # known when run from a config
         batch_size = ((self.extra_meta.get("config") or {}).get("grads") or {}).get("batch_size", batch["input_ids"].shape[0])
-        peak = f"{human_bytes(fp32_logit_bytes(n_supervised, vocab))}" if vocab else "unknown (vocab unknown)"
+        chunk = self.loss_chunk_tokens
+        peak = f"{human_bytes(fp32_logit_bytes(n_supervised, vocab, chunk))}" if vocab else "unknown (vocab unknown)"
         rows = batch["index"][wanted]
+        # The third lever, named only when it is off and would bound this batch's logits.
+        lever = SUGGESTED_LOSS_CHUNK_TOKENS
+        third = (
+            f"or set grads.loss_chunk_tokens={lever} (the same rows; the fp32 logits then need at most {human_bytes(fp32_logit_bytes(lever, vocab))} whatever the batch); "
+            if chunk is None and vocab and n_supervised > lever else ""
+        )
         return DeviceOutOfMemoryError(
             f"device out of memory indexing rows {int(rows.min())}-{int(rows.max())}: a batch of {int(wanted.sum())} rows "
             f"(grads.batch_size={batch_size}, grads.max_seq_length={max_len if max_len is not None else 'unknown'}, padded length {batch['input_ids'].shape[1]}) "
             f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {peak} ({LOGIT_PEAK_COPIES}× that with their log-softmax and gradients, on top of weights and activations; gradian plan predicts the whole peak); "
             "lower grads.batch_size first (the peak is linear in it; it costs only wall time), then grads.max_seq_length (it can cut completions); "
-            "grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
+            f"{third}grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
         )
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

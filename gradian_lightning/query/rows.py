@@ -115,6 +115,7 @@ def query_gradients(
     device: Optional[torch.device | str] = None,
     forward_context: Optional[ContextManager] = None,
     source: str = "query data",
+    loss_chunk_tokens: Optional[int] = None,
 ) -> torch.Tensor:
     """Projected loss gradients [Q, D] float32 of arbitrary rows, made exactly like `index`'s rows.
 
@@ -124,7 +125,8 @@ def query_gradients(
     `max_seq_length` defaults to the one the index was built with (its `data.max_seq_length`), or
     no truncation. `device` defaults to the model's. The model's train/eval mode, RNG and
     parameters' `.grad` are left as they were. Raises `IndexMismatchError` naming each mismatch and
-    `DataError` for a row with no supervised token.
+    `DataError` for a row with no supervised token. `loss_chunk_tokens`: see `supervised_token_loss`
+    (memory only; the rows are the same).
     """
     modules, projector = index_projector(index, model)
     if max_seq_length is None:
@@ -146,7 +148,7 @@ def query_gradients(
         with torch.random.fork_rng(devices=devices, device_type=device.type), torch.inference_mode(False), torch.enable_grad():
             for batch in loader:
                 batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
-                rows_, _ = projected_gradients(model, batch, capture, projector, forward_context or contextlib.nullcontext())
+                rows_, _ = projected_gradients(model, batch, capture, projector, forward_context or contextlib.nullcontext(), loss_chunk_tokens)
                 out.append(decode(encode(rows_, storage), storage))
     finally:
         for m, mode in training.items():

@@ -55,7 +55,7 @@ def run_index(cfg: DictConfig) -> Dict[str, Any]:
         "data": {"path": str(cfg.data.train), "sha256": file_sha256(cfg.data.train), "max_seq_length": cfg.grads.max_seq_length},
     }
     g = cfg.grads
-    indexer = GradientIndexer(cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta)
+    indexer = GradientIndexer(cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, loss_chunk_tokens=g.loss_chunk_tokens)
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))

@@ -68,7 +68,7 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     check_matches_index(index, model, settings)
     model.to(fabric.device)
-    rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data))
+    rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data), loss_chunk_tokens=g.loss_chunk_tokens)
     top, bottom = streaming_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, device=fabric.device, normalize=cfg.query.normalize)
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
