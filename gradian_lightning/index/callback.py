@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import time
+
 import lightning as L
 import numpy as np
 import torch
@@ -153,6 +155,8 @@ class GradientIndexer(L.Callback):
             todo = self._writer.todo
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self._rows_done = 0
+        self._rows_wanted = int(np.count_nonzero(self._todo)) if self._todo is not None else 0  # rows this run will write
+        self._started = time.perf_counter()
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if not self._active(trainer, dataloader_idx) or self._todo is None:
@@ -176,7 +180,14 @@ class GradientIndexer(L.Callback):
                 index.cpu().numpy()[keep], rows[wanted].cpu(), losses[wanted].cpu(), supervised[wanted].cpu(), truncated[wanted].cpu(), [i for i, k in zip(ids, keep) if k]
             )
             self._rows_done += int(keep.sum())
-            pl_module.log("gradian_rows", float(self._rows_done), prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(keep), rank_zero_only=True)
+            for name, value in self._progress().items():
+                pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(keep), rank_zero_only=True)
+
+    def _progress(self) -> Dict[str, float]:
+        """The progress bar's numbers: rows written this run, rows per second, and seconds left at that rate."""
+        rate = self._rows_done / max(time.perf_counter() - self._started, 1e-9)
+        left = max(self._rows_wanted - self._rows_done, 0)
+        return {"gradian_rows": float(self._rows_done), "gradian_rows_per_s": rate, "gradian_eta_s": left / rate if rate > 0 else float("inf")}
 
     def _compute(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Dict[str, Any], wanted: torch.Tensor):
         """Rows [B, D] float32 (zeros where not wanted), losses [B] float32, supervised counts [B]."""

@@ -132,6 +132,25 @@ def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: 
     return int(fits[-1] + 1) if len(fits) else 0
 
 
+def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any]:
+    """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype.
+
+    `model` may live on the meta device; `grads` is the `grads.*` config section.
+    """
+    projector = KroneckerProjector(select_modules(model, module_patterns(grads.module_filter)), grads.projection_dim, grads.seed)
+    return {
+        "modules": len(projector.blocks),
+        "width": projector.width,
+        "bytes_by_storage_dtype": {d: rows * projector.width * STORAGE_ITEMSIZE[d] for d in STORAGE_DTYPES},
+    }
+
+
+def format_index_start(rows: int, layout: Dict[str, Any], storage_dtype: str, path: str) -> str:
+    """The line `gradian index` prints before its first batch."""
+    size = human_bytes(layout["bytes_by_storage_dtype"][storage_dtype])
+    return f"gradian index: {rows} rows × {layout['modules']} modules, row width {layout['width']:,} ({storage_dtype}) -> {size} predicted for {path}"
+
+
 def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str, Any]:
     """Everything `gradian plan` prints, as plain data (bytes are ints).
 
@@ -145,7 +164,6 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     examples = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train)).examples
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
-    projector = KroneckerProjector(select_modules(model, module_patterns(g.module_filter)), g.projection_dim, g.seed)
     dtype = model_dtype(cfg, config)
     weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
     act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code)
@@ -194,11 +212,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         "largest_batch_size_that_fits_with_suggested_chunk": None if device_memory is None or chunk is not None else
             largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, SUGGESTED_LOSS_CHUNK_TOKENS),
         "suggested_loss_chunk_tokens": SUGGESTED_LOSS_CHUNK_TOKENS,
-        "index": {
-            "modules": len(projector.blocks),
-            "width": projector.width,
-            "bytes_by_storage_dtype": {d: len(counts) * projector.width * STORAGE_ITEMSIZE[d] for d in STORAGE_DTYPES},
-        },
+        "index": index_layout(model, g, len(counts)),
     }
 
 
