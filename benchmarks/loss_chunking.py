@@ -48,6 +48,7 @@ def child(args: argparse.Namespace) -> None:
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     target = model.model.norm.weight  # backward stops here: the head's and the loss's backward only
     chunk = None if args.variant in ("trunk", "gathered") else int(args.variant)
+    vocab = args.vocab
 
     def run() -> None:
         if args.variant == "trunk":
@@ -64,7 +65,7 @@ def child(args: argparse.Namespace) -> None:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             result = func(*args, **(kwargs or {}))
             for t in pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == args.vocab and t.untyped_storage().data_ptr() not in parameters:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() not in parameters:
                     self.nbytes = max(self.nbytes, t.numel() * 4)
             return result
 
@@ -122,7 +123,7 @@ def main() -> None:
             rows.append([
                 b, n, "off" if chunk is None else chunk, fmt_bytes(part), fmt_bytes(formula), f"{part / formula:.2f}",
                 f"{fmt_bytes(result['vocab_tensor'])} / {fmt_bytes(fp32_logit_bytes(n, vocab, chunk))}",
-                f"{result['seconds']:.3f}", f"{result['seconds'] / gathered['seconds']:.2f}", f"{loss_s / max(gathered_loss_s, 1e-9):.2f}",
+                f"{result['seconds']:.3f}", f"{result['seconds'] / gathered['seconds']:.2f}", f"{loss_s / gathered_loss_s:.2f}" if gathered_loss_s > 0 and loss_s > 0 else "n/a (below noise)",
             ])
             points.append({"chunk": chunk, "supervised": n, "part": part, "formula": formula})
     header = [
