@@ -191,25 +191,3 @@ def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, c
     assert main(["query", *common, "query.data=null"]) == 2
     assert "setting 'query.data' is required" in capsys.readouterr().err
 
-
-def test_read_ahead_keeps_order_and_raises_where_the_stream_fails():
-    import threading
-
-    from gradian_lightning.query.topk import _read_ahead
-
-    threads = []
-
-    def stream(fail_at=None):
-        for i in range(5):
-            threads.append(threading.current_thread().name)
-            if i == fail_at:
-                raise ValueError(f"chunk {i} unreadable")
-            yield i
-
-    assert list(_read_ahead(stream())) == [0, 1, 2, 3, 4]
-    assert all(name.startswith("gradian-read-ahead") for name in threads)  # produced off the caller's thread
-    got = []
-    with pytest.raises(ValueError, match="chunk 3 unreadable"):
-        for i in _read_ahead(stream(fail_at=3)):
-            got.append(i)
-    assert got == [0, 1, 2]

@@ -10,10 +10,9 @@ Rows with zero supervised tokens, NaN/inf gradients or not yet written are never
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -43,27 +42,6 @@ def _merge(best: Ranking, scores: torch.Tensor, positions: torch.Tensor, k: int,
     indices = torch.cat([best.indices, positions.expand(scores.shape[0], -1)], dim=1)
     top = values.topk(min(k, values.shape[1]), dim=1, largest=largest, sorted=True)
     return Ranking(indices.gather(1, top.indices), top.values)
-
-
-T = TypeVar("T")
-
-
-def _read_ahead(items: Iterator[T]) -> Iterator[T]:
-    """Yield `items` in order, producing the next one in a worker thread while the caller uses this one.
-
-    For the chunk stream: reading and decoding chunk i + 1 (zarr I/O and the float16 upcast, both
-    outside the GIL) overlaps scoring chunk i, so a query costs about the slower of the two rather
-    than their sum (benchmarks/RESULTS.md, query throughput). Memory: one chunk more.
-    """
-    done = object()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradian-read-ahead") as pool:
-        pending = pool.submit(next, items, done)
-        while True:
-            item = pending.result()
-            if item is done:
-                return
-            pending = pool.submit(next, items, done)
-            yield item
 
 
 def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
@@ -118,7 +96,7 @@ def streaming_topk(
         queries = _unit(queries)
     empty = Ranking(torch.empty(len(queries), 0, dtype=torch.long, device=device), torch.empty(len(queries), 0, device=device))
     top, bottom = empty, empty
-    for lo, rows in _read_ahead(index.chunks()):
+    for lo, rows in index.chunks():
         keep = torch.from_numpy(index.rankable(lo, lo + len(rows)))
         positions = torch.arange(lo, lo + len(keep))
         if not bool(keep.all()):  # copying only when some rows must go keeps the common case one pass cheaper
