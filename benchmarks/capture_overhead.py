@@ -93,7 +93,8 @@ def profile_child(args: argparse.Namespace) -> None:
     examples, batches = _batches(model, args.batches, args.batch_size, args.seq_len)
     modules = select_modules(model, FILTERS[args.variant].split(","))
     projector = KroneckerProjector(modules, args.projection_dim, 0)
-    capture = LinearCapture(modules)
+    capture = LinearCapture(modules, projector.project_input)  # as projected_gradients runs it
+    detached = {name: p.detach() for name, p in model.named_parameters()}
     labels = ("forward", "backward", "projection", "zarr write")
     with tempfile.TemporaryDirectory() as tmp:
         writer = IndexWriter(f"{tmp}/index", len(examples), projector.width, "float16", {"fingerprint": "bench"})
@@ -102,12 +103,12 @@ def profile_child(args: argparse.Namespace) -> None:
             for batch in batches:
                 with capture:
                     with record_function("forward"):
-                        losses = supervised_token_loss(model, batch)
+                        losses = supervised_token_loss(model, batch, parameters=detached)
                     with record_function("backward"):
                         grads = capture.output_grads(losses.sum())
                 with record_function("projection"):
                     token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
-                    rows = projector.project(capture.inputs, grads, batch["input_ids"].shape[0], token_rows)
+                    rows = projector.project(capture.inputs, grads, batch["input_ids"].shape[0], token_rows, inputs_projected=True)
                 capture.clear()
                 with record_function("zarr write"):
                     n = rows.shape[0]
@@ -149,6 +150,7 @@ def main() -> None:
     filters = ["down_proj"] if args.smoke else list(FILTERS)
     variants = ["plain", *filters]
     rows: List[List[Any]] = []
+    ratios: List[Dict[str, Any]] = []  # for the figure
     profiles: List[List[Any]] = []
     for model, (batches, batch_size, seq_len) in settings.items():
         common = ["--model", model, "--batches", str(batches), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--projection-dim", str(args.projection_dim), "--threads", str(args.threads)]
@@ -170,6 +172,7 @@ def main() -> None:
             i_loop = statistics.median(x["loop_s"] for x in runs[variant])
             i_rss = statistics.median(x["peak_rss"] for x in runs[variant])
             rows.append([model, f"index {variant}", f"{tokens / i_loop:.0f}", f"{i_proc:.1f}", fmt_bytes(i_rss), f"{i_proc / p_proc:.2f}", f"{i_loop / p_loop:.2f}", f"{i_rss / p_rss:.2f}"])
+            ratios.append({"label": f"{model}\n{variant}", "process": i_proc / p_proc, "loop": i_loop / p_loop, "rss": i_rss / p_rss})
         if args.profile or args.smoke:
             prof = run_child("benchmarks.capture_overhead", [*common, "--variant", "down_proj"], flag="--profile-child")
             total = prof["total_s"]
@@ -184,6 +187,27 @@ def main() -> None:
         body += "\n\nWhere indexing time goes (down_proj, torch.profiler, seconds of CPU time per labelled step):\n\n"
         body += table(["model", "forward", "backward", "projection", "zarr write", "other", "total s"], profiles)
     write_result("capture_overhead", command_line(), body, args.out)
+    plot(ratios, args.out)
+
+
+def plot(ratios: List[Dict[str, Any]], out: str | None) -> None:
+    """Grouped bars: wall time (process, loop) and peak RSS of indexing over the plain step, with the targets."""
+    from benchmarks.common import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(ratios) + 2), 3.6))
+    width = 0.27
+    for i, (key, label) in enumerate((("process", "wall time, whole process"), ("loop", "time per token, loop"), ("rss", "peak RSS"))):
+        xs = [j + (i - 1) * width for j in range(len(ratios))]
+        ax.bar(xs, [r[key] for r in ratios], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(0.8, color="tab:red", linestyle="--", linewidth=0.8, label="time target 0.8×")
+    ax.axhline(0.6, color="tab:purple", linestyle=":", linewidth=0.8, label="SmolLM2 peak RSS goal 0.6×")
+    ax.set_xticks(range(len(ratios)), [r["label"] for r in ratios], fontsize=8)
+    ax.set_ylabel("indexing / plain fwd+bwd")
+    ax.set_title("Capture overhead against the plain step (below 1: cheaper)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    save_figure("capture_overhead", fig, out)
 
 
 if __name__ == "__main__":

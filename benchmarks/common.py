@@ -207,3 +207,30 @@ def bytes_on_disk(path: Path) -> int:
     """Sum of the sizes of the files under `path`, bytes."""
     path = Path(path)
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save_figure(name: str, fig: Any, out: Optional[str] = None) -> Path:
+    """Write a matplotlib figure as `<out>/<name>.png` (default benchmarks/results), for RESULTS.md to embed.
+
+    matplotlib comes with the `bench` extra (`pip install -e ".[bench]"`); it is not a runtime dependency.
+    """
+    import matplotlib.pyplot as plt
+
+    directory = Path(out) if out else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"(figure written to {path})")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -31,7 +31,7 @@ def _index(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
     from gradian_lightning.recipes.index import run_index
 
-    _print_index_summary(run_index(load_config(args.config, args.overrides)))
+    _print_index_summary(run_index(load_config(args.config, args.overrides), announce=lambda line: print(line, flush=True)))
 
 
 def _doctor(args: argparse.Namespace) -> None:

@@ -45,6 +45,8 @@ class GradsConfig:
     module_filter: Any = "down_proj"
     projection_dim: Optional[int] = 16
     seed: int = 0
+    # Head + fp32 cross-entropy this many supervised tokens at a time (null: all at once).
+    loss_chunk_tokens: Optional[int] = None
 
 
 @dataclass
@@ -146,6 +148,12 @@ def validate(cfg: DictConfig) -> None:
         "grads.projection_dim",
         g.projection_dim,
         "an integer >= 1, or null for exact gradients",
+    )
+    _check(
+        g.loss_chunk_tokens is None or g.loss_chunk_tokens >= 1,
+        "grads.loss_chunk_tokens",
+        g.loss_chunk_tokens,
+        "an integer >= 1, or null for the whole batch at once",
     )
     module_patterns(g.module_filter)
     _check(cfg.model.dtype in MODEL_DTYPES, "model.dtype", cfg.model.dtype, " or ".join(MODEL_DTYPES))

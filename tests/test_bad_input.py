@@ -127,3 +127,21 @@ def test_other_runtime_errors_pass_through(tmp_path, saved_model, capsys, monkey
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         main(index_args(tmp_path, saved_model, data))
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_out_of_memory_names_the_loss_chunk_lever_when_it_is_off(tmp_path, model, chunk):
+    from gradian_lightning.gradients.memory import human_bytes
+    from gradian_lightning.index.callback import GradientIndexer
+
+    indexer = GradientIndexer(tmp_path / "ix", loss_chunk_tokens=chunk)
+    indexer.model = model
+    labels = torch.randint(3, 40, (2, 300))
+    batch = {"input_ids": labels.clone(), "labels": labels, "index": torch.tensor([7, 8])}
+    err = str(indexer._out_of_memory(batch, torch.tensor([True, True])))
+    vocab = model.config.vocab_size
+    if chunk is None:  # 598 supervised tokens: the logits need 598 × vocab × 4 bytes, 256 tokens at a time would need less
+        assert f"fp32 logits alone need {human_bytes(fp32_logit_bytes(598, vocab))}" in err
+        assert f"or set grads.loss_chunk_tokens=256 (the same rows; the fp32 logits then need at most {human_bytes(fp32_logit_bytes(256, vocab))} whatever the batch)" in err
+    else:  # already chunked: the logits are the chunk's, and the lever is not offered again
+        assert f"fp32 logits alone need {human_bytes(fp32_logit_bytes(64, vocab))}" in err and "grads.loss_chunk_tokens=256" not in err

@@ -18,9 +18,11 @@ SCRIPTS = {
     "loss_memory": "| 2 | 32 | 25% |",
     "fidelity": "| 16 | float16 |",
     "index_size": "| all Linear |",
-    "query_throughput": "| streaming top-k |",
+    "query_throughput": "| 8 |",
     "peer_bergson": "| gradian |",
+    "loss_chunking": "| 2 | 32 | 8 |",
 }
+FIGURES = {"capture_overhead", "loss_chunking", "fidelity", "query_throughput"}  # these also draw a PNG
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -33,3 +35,5 @@ def test_benchmark_smoke(name, tmp_path):
     text = (tmp_path / f"{name}.md").read_text()
     assert text.startswith("Command: `PYTHONPATH=. python -m benchmarks.") and "Machine:" in text
     assert SCRIPTS[name] in text, text
+    if name in FIGURES:
+        assert (tmp_path / f"{name}.png").read_bytes().startswith(b"\x89PNG")

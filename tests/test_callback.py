@@ -63,6 +63,21 @@ def test_validate_writes_every_row_at_its_position(tmp_path, model, dataset, inf
     assert indexer.summary["rows"] == len(dataset) and indexer.summary["empty_rows"] == []
 
 
+def test_progress_bar_shows_rows_rate_and_time_left(tmp_path, model, dataset):
+    indexer = GradientIndexer(tmp_path / "ix", "down_proj", projection_dim=4)
+    seen = []
+
+    class Watch(L.Callback):  # what the progress bar shows after each batch (the indexer logs first)
+        def on_validation_batch_end(self, trainer, *args, **kwargs):
+            seen.append(dict(trainer.progress_bar_metrics))
+
+    trainer(tmp_path, [indexer, Watch()]).validate(FineTune(model), dataloaders=loader(dataset, batch_size=3))
+    assert [m["gradian_rows"] for m in seen] == [3.0, 6.0, 7.0]
+    assert all(m["gradian_rows_per_s"] > 0 for m in seen)
+    first = seen[0]  # 4 rows left at the measured rate
+    assert first["gradian_eta_s"] == pytest.approx(4 / first["gradian_rows_per_s"], rel=1e-5) and seen[-1]["gradian_eta_s"] == 0
+
+
 def snapshot(module, optimizer):
     return {
         "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},

@@ -6,6 +6,7 @@ from torch import nn
 
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import collate, tokenize_row
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.projection import KroneckerProjector
 
@@ -101,3 +102,42 @@ def test_projection_is_seeded_by_seed_and_module_name(model):
     assert not torch.equal(a.matrices(names[0])[0], a.matrices(names[1])[0])
     assert not torch.equal(a.matrices(names[0])[0], KroneckerProjector(modules, 4, 1).matrices(names[0])[0])
     assert torch.equal(state, torch.get_rng_state())  # the global RNG is never drawn from
+
+
+@pytest.mark.parametrize("chunk", [2, 5])
+def test_chunked_loss_gives_the_same_rows(model, tokenizer, rows, chunk):
+    batch = collate(examples(tokenizer, rows))
+    modules = select_modules(model, MODULES[:-1])  # the head runs in chunks of its own: it cannot be captured
+    projector = KroneckerProjector(modules, 4, 0)
+    with pytest.raises(ConfigError, match="head cannot be captured"):
+        projected_gradients(model, batch, LinearCapture(select_modules(model, ["lm_head"])), projector, loss_chunk_tokens=chunk)
+    with torch.enable_grad():
+        want, want_losses = projected_gradients(model, batch, LinearCapture(modules), projector)
+        got, losses = projected_gradients(model, batch, LinearCapture(modules), projector, loss_chunk_tokens=chunk)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_keeps_no_linear_input_for_weight_gradients(model, tokenizer, rows):
+    """Weights are detached for the forward: autograd saves no Linear's input (only weight gradients need them)."""
+    kept = []  # held, so that no later tensor can take a freed input's address
+    hooks = [m.register_forward_pre_hook(lambda m, args: kept.append(args[0]))
+             for name, m in model.named_modules() if name.endswith(("mlp.gate_proj", "mlp.down_proj", "self_attn.q_proj"))]
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    assert all(p.requires_grad for p in model.parameters())
+    modules = select_modules(model, ["down_proj"])
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            projected_gradients(model, collate(examples(tokenizer, rows[:3])), LinearCapture(modules), KroneckerProjector(modules, 4, 0))
+    finally:
+        for h in hooks:
+            h.remove()
+    linear_inputs = {t.untyped_storage().data_ptr() for t in kept}
+    assert len(linear_inputs) == 3 * 2 and saved  # three Linears in each of two layers ran
+    assert not saved & linear_inputs
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())

@@ -45,3 +45,28 @@ def test_bf16_loss_upcasts_only_gathered_logits(model, tokenizer, rows):
     got = supervised_token_loss(model.to(torch.bfloat16), batch)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_chunked_loss_equals_unchunked(model, tokenizer, rows, chunk):
+    batch = collate([tokenize_row(tokenizer, r, i, 64) for i, r in enumerate(rows)])
+    want = supervised_token_loss(model, batch)
+    got = supervised_token_loss(model, batch, chunk_tokens=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # and its gradient, through the recomputed chunks, to the hidden states and weights alike
+    params = [p for p in model.parameters()]
+    g_want = torch.autograd.grad(want.sum(), params)
+    g_got = torch.autograd.grad(supervised_token_loss(model, batch, chunk_tokens=chunk).sum(), params)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_loss_refuses_logit_transforms_and_bad_sizes(model, tokenizer, rows):
+    from gradian_lightning.errors import ConfigError
+
+    batch = collate([tokenize_row(tokenizer, r, i, 64) for i, r in enumerate(rows[:2])])
+    with pytest.raises(ConfigError, match="loss_chunk_tokens'=0"):
+        supervised_token_loss(model, batch, chunk_tokens=0)
+    model.config.logit_scale = 0.5  # as Cohere's: logits scaled after the head
+    with pytest.raises(ConfigError, match="logit_scale after the head"):
+        supervised_token_loss(model, batch, chunk_tokens=4)

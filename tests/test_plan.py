@@ -36,10 +36,10 @@ def config(tmp_path, model_dir, rows, *more):
     return load_config("configs/smollm2.yaml", [f"model.name_or_path={model_dir}", f"data.train={data}", "model.dtype=bfloat16", *more])
 
 
-def upcast_bytes(model, batch):
+def upcast_bytes(model, batch, chunk=None):
     """Bytes the CPU allocator handed to the fp32 upcast of the logits in one loss + backward."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.enable_grad():
-        supervised_token_loss(model, batch).sum().backward()
+        supervised_token_loss(model, batch, chunk).sum().backward()
     return max(e.cpu_memory_usage for e in prof.events() if e.name == "aten::_to_copy")
 
 
@@ -67,6 +67,19 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     assert plan["index"]["bytes_by_storage_dtype"] == {"float32": len(rows) * 2 * 256 * 4, "float16": len(rows) * 2 * 256 * 2, "bfloat16": len(rows) * 2 * 256 * 2}
 
 
+def test_chunked_loss_peak_is_the_chunk_whatever_the_batch(tmp_path, wide_model, tokenizer):
+    cfg = config(tmp_path, wide_model, ROWS, "grads.batch_size=4", "grads.loss_chunk_tokens=5", "trainer.accelerator=cpu")
+    plan = make_plan(cfg)
+    model, tok = load_model_and_tokenizer(cfg.model)
+    from gradian_lightning.data import JsonlDataset
+
+    examples = JsonlDataset(ROWS, tok, 512).examples
+    batch = collate(examples[:4])
+    assert (batch["labels"][:, 1:] != -100).sum() > 5  # the chunk really cuts this batch
+    assert upcast_bytes(model, batch, 5) == plan["fp32_logits_bytes"]["worst_case"] == 5 * VOCAB * 4
+    assert upcast_bytes(model, batch) > 5 * VOCAB * 4
+
+
 def test_largest_fitting_batch_is_the_budget_boundary():
     counts, longest, vocab, weights, act = [10, 8, 5, 1], 12, 100, 1000, 7
     need = lambda b: weights + b * longest * act + LOGIT_PEAK_COPIES * sum(counts[:b]) * vocab * 4  # noqa: E731
@@ -74,10 +87,18 @@ def test_largest_fitting_batch_is_the_budget_boundary():
     assert largest_fitting_batch(counts, longest, vocab, weights, act, need(2) - 1) == 1
     assert largest_fitting_batch(counts, longest, vocab, weights, act, need(1) - 1) == 0
     assert largest_fitting_batch(counts, longest, vocab, weights, act, 10**9) == 4
+    # with the loss chunked to 9 tokens, the logit term stops growing after the first row
+    chunked = lambda b: weights + b * longest * act + LOGIT_PEAK_COPIES * min(sum(counts[:b]), 9) * vocab * 4  # noqa: E731
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, chunked(3), chunk_tokens=9) == 3
+    assert largest_fitting_batch(counts, longest, vocab, weights, act, chunked(3) - 1, chunk_tokens=9) == 2
 
 
 def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
-    """The 1- and 2-layer probe, scaled, against what a 3-layer model saves for 2 rows of 20 tokens."""
+    """The 1- and 2-layer probe, scaled, against what indexing a 3-layer model keeps for 2 rows of 20 tokens."""
+    from gradian_lightning.gradients.batch import projected_gradients
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
+    from gradian_lightning.gradients.projection import KroneckerProjector
+
     model = make_model(VOCAB, hidden=64, layers=3)
     per_token = activation_bytes_per_token(model.config, torch.float32)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -89,9 +110,14 @@ def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
         return t
 
     ids = torch.randint(3, len(tokenizer), (2, 20))
+    labels = torch.full_like(ids, -100)
+    labels[0, -1] = ids[0, -1]  # one supervised token: its fp32 log-softmax, [1, vocab], is the loss's share
+    modules = select_modules(model, ["*.layers.*"])  # from the first layer's q_proj on: the graph plan bounds
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=torch.zeros_like(ids, dtype=torch.bool), use_cache=False)
-    assert sum(saved.values()) == pytest.approx(per_token * 40, rel=0.05)
+        projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0))
+    kept = sum(saved.values()) - VOCAB * 4
+    assert 0.85 * per_token * 40 <= kept <= per_token * 40
 
 
 def test_parse_bytes():

@@ -190,3 +190,4 @@ def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, c
     assert "grads.projection_dim is 4 here but 8 in the index; grads.seed is 1 here but 0 in the index" in err
     assert main(["query", *common, "query.data=null"]) == 2
     assert "setting 'query.data' is required" in capsys.readouterr().err
+

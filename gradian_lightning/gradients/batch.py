@@ -13,6 +13,7 @@ from typing import ContextManager, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import LinearCapture
 from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
@@ -24,19 +25,34 @@ def projected_gradients(
     capture: LinearCapture,
     projector: KroneckerProjector,
     forward_context: Optional[ContextManager] = None,
+    loss_chunk_tokens: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rows [B, D] float32 (the projected per-example gradients) and losses [B] float32 (nats).
 
     `batch` holds `input_ids`, `attention_mask`, `labels` [B, T]. `forward_context` wraps the
     forward and backward only (e.g. Lightning's autocast); the projection always runs in float32
-    outside it. No parameter's `.grad` is touched. Gradient mode must be enabled by the caller.
+    outside it. `loss_chunk_tokens`: see `supervised_token_loss`. No parameter's `.grad`,
+    `requires_grad` or value is touched. Gradient mode must be enabled by the caller.
+
+    Only output-gradients are needed, never weight gradients, so the forward runs with detached
+    parameters (`torch.func.functional_call`): autograd then keeps no Linear's input for a weight
+    gradient, and nothing at all before the first captured module. The captured inputs are
+    projected in the forward hook, so only [B, T, k] of each is kept through the backward.
     """
-    with forward_context or contextlib.nullcontext(), capture:
-        losses = supervised_token_loss(model, batch)
-        output_grads = capture.output_grads(losses.sum())
-    token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if loss_chunk_tokens is not None and any(m is head for m in capture.modules.values()):
+        raise ConfigError(f"setting 'grads.loss_chunk_tokens'={loss_chunk_tokens} runs the output head in chunks of its own, so the head cannot be captured; leave it out of grads.module_filter or set grads.loss_chunk_tokens=null")
+    detached = {name: p.detach() for name, p in model.named_parameters()}
+    own_transform = capture.input_transform
+    if own_transform is None:
+        capture.input_transform = projector.project_input
     try:
-        rows = projector.project(capture.inputs, output_grads, batch["input_ids"].shape[0], token_rows)
+        with forward_context or contextlib.nullcontext(), capture:
+            losses = supervised_token_loss(model, batch, loss_chunk_tokens, parameters=detached)
+            output_grads = capture.output_grads(losses.sum())
+        token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
+        rows = projector.project(capture.inputs, output_grads, batch["input_ids"].shape[0], token_rows, inputs_projected=own_transform is None)
     finally:
         capture.clear()
+        capture.input_transform = own_transform
     return rows, losses.detach()

@@ -14,7 +14,7 @@ shorter names (peft.py): `q_proj` selects the frozen `q_proj.base_layer`, `lora_
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -64,13 +64,16 @@ def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear
 class LinearCapture:
     """Context manager: while active, each selected module's last input and output are kept.
 
-    `inputs[name]` is the module's input, detached ([B, T, in] or [n, in]); `outputs[name]` is its
-    output, left in the autograd graph so `torch.autograd.grad` can be taken with respect to it.
-    Outputs are made to require grad when the weights are frozen, without touching any parameter.
+    `inputs[name]` is the module's input, detached ([B, T, in] or [n, in]), or what
+    `input_transform(name, input)` makes of it (the projection's input side, so that only
+    [B, T, k] is kept through the backward instead of [B, T, in]); `outputs[name]` is its output,
+    left in the autograd graph so `torch.autograd.grad` can be taken with respect to it. Outputs are
+    made to require grad when the weights are frozen or detached, without touching any parameter.
     """
 
-    def __init__(self, modules: Dict[str, nn.Linear]) -> None:
+    def __init__(self, modules: Dict[str, nn.Linear], input_transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> None:
         self.modules = modules
+        self.input_transform = input_transform
         self.inputs: Dict[str, torch.Tensor] = {}
         self.outputs: Dict[str, torch.Tensor] = {}
         self._handles: List[torch.utils.hooks.RemovableHandle] = []
@@ -81,7 +84,8 @@ class LinearCapture:
                 raise GradianError(f"module {name!r} ran twice in one forward; shared modules cannot be captured, leave it out of grads.module_filter")
             if not output.requires_grad:
                 output.requires_grad_(True)  # frozen weights: a leaf, so this only marks it
-            self.inputs[name] = args[0].detach()
+            x = args[0].detach()
+            self.inputs[name] = x if self.input_transform is None else self.input_transform(name, x)
             self.outputs[name] = output
             # Returning None keeps the module's output as it is.
 

@@ -8,20 +8,31 @@ Only supervised positions enter the loss, so they are gathered first:
   - otherwise the full logits are computed in the model's dtype and gathered before the upcast.
 The one fp32 tensor is then `n_supervised × vocab × 4` bytes, where `n_supervised` counts the
 supervised tokens in the whole batch: at most `batch_size × supervised_tokens_per_row`.
+
+With `chunk_tokens` (`grads.loss_chunk_tokens`) the output head and the fp32 cross-entropy run over
+the gathered positions `chunk_tokens` at a time, under `torch.utils.checkpoint`: each chunk's logits
+are freed before the next and recomputed in the backward, so the fp32 part of the peak is
+`chunk_tokens × vocab × 4` bytes whatever the batch, for one more head matmul per token.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from gradian_lightning.data import IGNORE_INDEX
-from gradian_lightning.errors import GradianError
+from gradian_lightning.errors import ConfigError, GradianError
+
+# Config keys of architectures that transform logits after the output head (Gemma's soft-capping,
+# Cohere's and Granite's scaling): the chunked loss owns the head, so it cannot reproduce them.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def supervised_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -37,27 +48,75 @@ def _accepts_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def supervised_token_loss(model: nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+def _call(module: nn.Module, parameters: Optional[Dict[str, torch.Tensor]], **kwargs: Any) -> Any:
+    # functional_call swaps the tensors in for this call only and puts the module's own back after.
+    return module(**kwargs) if parameters is None else functional_call(module, parameters, (), kwargs, strict=False)
+
+
+def _head_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
+
+
+def _chunked_token_loss(model: nn.Module, inputs: Dict[str, Any], keep: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, parameters: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Token losses [n_supervised] fp32 from the decoder's hidden states, head + cross-entropy in checkpointed chunks."""
+    if chunk_tokens < 1:
+        raise ConfigError(f"setting 'grads.loss_chunk_tokens'={chunk_tokens!r} is not allowed; use an integer >= 1, or null for the whole batch at once")
+    config = getattr(model, "config", None)
+    transforms = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if transforms or not isinstance(head, nn.Linear) or decoder is None or decoder is model:
+        why = f"its logits go through {', '.join(transforms)} after the head" if transforms else "it has no nn.Linear output head over a separate decoder"
+        raise ConfigError(f"setting 'grads.loss_chunk_tokens'={chunk_tokens} cannot be used with {type(model).__name__}: {why}; set grads.loss_chunk_tokens=null")
+    names = {id(m): n for n, m in model.named_modules()}
+    prefix = names[id(decoder)] + "."
+    decoder_parameters = None if parameters is None else {n[len(prefix):]: p for n, p in parameters.items() if n.startswith(prefix)}
+    hidden = _call(decoder, decoder_parameters, **inputs, use_cache=False).last_hidden_state[keep]  # [n_supervised, H]
+    head_name = names[id(head)]
+    # The head's tensors are read now, not at recompute time: detached ones stay detached in the backward.
+    weight = head.weight if parameters is None else parameters.get(f"{head_name}.weight", head.weight)
+    bias = head.bias if parameters is None or head.bias is None else parameters.get(f"{head_name}.bias", head.bias)
+    parts = [
+        checkpoint(_head_cross_entropy, hidden[i : i + chunk_tokens], targets[i : i + chunk_tokens], weight, bias, use_reentrant=False)
+        for i in range(0, hidden.shape[0], chunk_tokens)
+    ]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def supervised_token_loss(
+    model: nn.Module,
+    batch: Dict[str, torch.Tensor],
+    chunk_tokens: Optional[int] = None,
+    parameters: Optional[Dict[str, torch.Tensor]] = None,
+) -> torch.Tensor:
     """Per-example loss: the sum of token cross-entropies over supervised positions, in fp32.
 
     `batch` holds `input_ids`, `attention_mask` and `labels` (int64 [B, T], labels -100 where not
     supervised; the causal shift is applied here). Returns float32 [B], nats. A row with no
     supervised token gets exactly 0. Summing (not averaging) keeps examples' gradients independent.
+    `chunk_tokens`: run the head and cross-entropy that many supervised tokens at a time,
+    recomputed in the backward (bounded fp32 peak, same losses). `parameters` (name -> tensor, as
+    `named_parameters()`): run the forward with these in place of the model's own, through
+    `torch.func.functional_call` (e.g. detached copies, so that autograd keeps nothing for weight
+    gradients); the model is left as it was.
     """
     labels = batch["labels"]
     keep = supervised_targets(labels)  # [B, T]
     targets = labels[:, 1:][keep[:, :-1]]  # [n_supervised]
     rows = keep.nonzero()[:, 0]  # example of each supervised position, [n_supervised]
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
-    if _accepts_logits_to_keep(type(model)):
-        logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
-        if logits.shape[:-1] != targets.shape:
-            raise GradianError(
-                f"{type(model).__name__} ignored the boolean logits_to_keep mask (logits {tuple(logits.shape)}); "
-                "upgrade transformers to a version whose forward accepts a 2-D bool logits_to_keep"
-            )
+    if chunk_tokens is not None:
+        token_loss = _chunked_token_loss(model, inputs, keep, targets, chunk_tokens, parameters)
     else:
-        logits = model(**inputs, use_cache=False).logits[keep]
-    token_loss = F.cross_entropy(logits.float(), targets, reduction="none")  # [n_supervised] fp32
+        if _accepts_logits_to_keep(type(model)):
+            logits = _call(model, parameters, **inputs, logits_to_keep=keep, use_cache=False).logits
+            if logits.shape[:-1] != targets.shape:
+                raise GradianError(
+                    f"{type(model).__name__} ignored the boolean logits_to_keep mask (logits {tuple(logits.shape)}); "
+                    "upgrade transformers to a version whose forward accepts a 2-D bool logits_to_keep"
+                )
+        else:
+            logits = _call(model, parameters, **inputs, use_cache=False).logits[keep]
+        token_loss = F.cross_entropy(logits.float(), targets, reduction="none")  # [n_supervised] fp32
     losses = torch.zeros(labels.shape[0], dtype=torch.float32, device=labels.device)
     return losses.index_add(0, rows, token_loss)

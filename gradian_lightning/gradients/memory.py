@@ -1,10 +1,13 @@
 """The byte arithmetic of the fp32 loss peak, shared by `gradian plan` and the out-of-memory error.
 
 `supervised_token_loss` (loss.py) upcasts only the gathered supervised positions, so its one fp32
-tensor is `n_supervised × vocab × 4` bytes, `n_supervised` counting the whole batch's supervised tokens.
+tensor is `n_supervised × vocab × 4` bytes, `n_supervised` counting the whole batch's supervised tokens;
+with `grads.loss_chunk_tokens` it is `min(n_supervised, loss_chunk_tokens) × vocab × 4`.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 FP32_BYTES = 4
 # The fp32 logits are not alone at the peak: cross-entropy keeps their log-softmax for backward,
@@ -12,9 +15,19 @@ FP32_BYTES = 4
 LOGIT_PEAK_COPIES = 3
 
 
-def fp32_logit_bytes(n_supervised: int, vocab_size: int) -> int:
-    """Bytes of the fp32 logit tensor for a batch with `n_supervised` supervised tokens in all."""
-    return int(n_supervised) * int(vocab_size) * FP32_BYTES
+# What `gradian plan` and the out-of-memory error suggest for grads.loss_chunk_tokens: small enough
+# that three [chunk, vocab] fp32 tensors stay under 400 MiB at Llama-3's 128,256-token vocabulary.
+SUGGESTED_LOSS_CHUNK_TOKENS = 256
+
+
+def fp32_logit_bytes(n_supervised: int, vocab_size: int, chunk_tokens: Optional[int] = None) -> int:
+    """Bytes of the fp32 logit tensor for a batch with `n_supervised` supervised tokens in all.
+
+    With `chunk_tokens` (grads.loss_chunk_tokens) the head and cross-entropy see at most that many
+    tokens at a time, so the tensor is `min(n_supervised, chunk_tokens) × vocab × 4` bytes.
+    """
+    n = int(n_supervised) if chunk_tokens is None else min(int(n_supervised), int(chunk_tokens))
+    return n * int(vocab_size) * FP32_BYTES
 
 
 def human_bytes(n: float) -> str:

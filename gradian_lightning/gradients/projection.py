@@ -80,27 +80,46 @@ class KroneckerProjector:
             self._on_device[device] = {n: (a.to(device), b.to(device)) for n, (a, b) in self._matrices.items()}
         return self._on_device[device][name]
 
+    def project_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The input side of module `name`'s projection: x [.., in] -> x P_inᵀ [.., k] float32.
+
+        Exact rows (dim None) keep x as it is. Runs in float32 even inside an autocast region, so
+        that it can be applied in a forward hook (`LinearCapture(input_transform=...)`), where it
+        lets the wide input go before the backward; `project(..., inputs_projected=True)` then
+        gives the very same rows.
+        """
+        if self.dim is None:
+            return x
+        p_in = self.matrices(name, x.device)[1]
+        with torch.autocast(x.device.type, enabled=False):
+            return x.float() @ p_in.T
+
     def project(
         self,
         inputs: Dict[str, torch.Tensor],
         output_grads: Dict[str, torch.Tensor],
         batch_size: int,
         token_rows: Optional[torch.Tensor] = None,
+        inputs_projected: bool = False,
     ) -> torch.Tensor:
         """Rows [batch_size, width] float32, one per example.
 
         `inputs[name]` and `output_grads[name]` are [B, T, in] / [B, T, out] (per-position), or
         [n, in] / [n, out] for a module that ran only on gathered positions, in which case
         `token_rows` (int64 [n]) says which example each position belongs to. Any dtype: the
-        arithmetic is done in float32.
+        arithmetic is done in float32. `inputs_projected`: `inputs` already went through
+        `project_input` ([.., k] instead of [.., in]).
         """
         out = []
         for block in self.blocks:
-            x = inputs[block.name].float()
+            x = inputs[block.name]
+            if not inputs_projected:
+                x = self.project_input(block.name, x)
+            x = x.float()
             g = output_grads[block.name].float()
             if self.dim is not None:
-                p_out, p_in = self.matrices(block.name, x.device)
-                x, g = x @ p_in.T, g @ p_out.T  # [.., k]
+                p_out = self.matrices(block.name, x.device)[0]
+                g = g @ p_out.T  # [.., k]
             if x.dim() == 3:
                 grad = torch.einsum("bto,bti->boi", g, x)
             elif x.dim() == 2 and token_rows is not None and token_rows.shape[0] == x.shape[0]:

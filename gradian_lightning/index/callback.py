@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import time
+
 import lightning as L
 import numpy as np
 import torch
@@ -23,7 +25,7 @@ from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, Gradia
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets
-from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.index.layout import fingerprint, read_meta
@@ -68,6 +70,7 @@ def _check_arguments(**given: Any) -> None:
         "verbose": (isinstance(given["verbose"], bool), "True or False"),
         "meta": (given["meta"] is None or isinstance(given["meta"], dict), "None or a dict of JSON data"),
         "rows_per_chunk": (given["rows_per_chunk"] is None or (_is_int(given["rows_per_chunk"]) and given["rows_per_chunk"] >= 1), "None or an integer >= 1"),
+        "loss_chunk_tokens": (given["loss_chunk_tokens"] is None or (_is_int(given["loss_chunk_tokens"]) and given["loss_chunk_tokens"] >= 1), "None or an integer >= 1"),
     }
     for name, (ok, allowed) in rules.items():
         if not ok:
@@ -122,6 +125,8 @@ class GradientIndexer(L.Callback):
         verbose: after each indexing run, say on rank 0 what was written (Lightning's logger, INFO).
         rows_per_chunk: rows per stored grads chunk (default: about 4 MiB of them); a killed run
             loses at most the chunks it had not finished, and resumes from the rest.
+        loss_chunk_tokens: run the output head and fp32 cross-entropy this many supervised tokens
+            at a time (`grads.loss_chunk_tokens`): a bounded loss peak, the same rows; None = all at once.
 
     Every argument is checked here, before any Trainer exists: a wrong one is one `ConfigError` line.
     The callback's `state_dict` (saved in Lightning checkpoints) holds how many indexing runs it
@@ -143,12 +148,13 @@ class GradientIndexer(L.Callback):
         meta: Optional[Dict[str, Any]] = None,
         verbose: bool = True,
         rows_per_chunk: Optional[int] = None,
+        loss_chunk_tokens: Optional[int] = None,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
         if projection_dim is not None and (not _is_int(projection_dim) or projection_dim < 1):
             raise ConfigError(f"setting 'grads.projection_dim'={projection_dim!r} is not allowed; use an integer >= 1, or null for exact gradients")
-        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose, rows_per_chunk=rows_per_chunk)
+        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose, rows_per_chunk=rows_per_chunk, loss_chunk_tokens=loss_chunk_tokens)
         self.path_template = str(path)
         self.patterns = module_patterns(module_filter)
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
@@ -156,6 +162,7 @@ class GradientIndexer(L.Callback):
         self.extra_meta = dict(meta or {})
         self.verbose = verbose
         self.rows_per_chunk = rows_per_chunk
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.summary: Optional[Dict[str, Any]] = None  # set on rank 0 after each indexing run
         # Finished indexing runs, oldest first: {"step", "path", "rows", "complete"}; in the checkpoint.
         self.runs: List[Dict[str, Any]] = []
@@ -259,6 +266,8 @@ class GradientIndexer(L.Callback):
             todo = self._writer.todo
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self._rows_done = 0
+        self._rows_wanted = int(np.count_nonzero(self._todo)) if self._todo is not None else 0  # rows this run will write
+        self._started = time.perf_counter()
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if not self._active(trainer, dataloader_idx) or self._todo is None:
@@ -282,7 +291,14 @@ class GradientIndexer(L.Callback):
                 index.cpu().numpy()[keep], rows[wanted].cpu(), losses[wanted].cpu(), supervised[wanted].cpu(), truncated[wanted].cpu(), [i for i, k in zip(ids, keep) if k]
             )
             self._rows_done += int(keep.sum())
-            pl_module.log("gradian_rows", float(self._rows_done), prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(keep), rank_zero_only=True)
+            for name, value in self._progress().items():
+                pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(keep), rank_zero_only=True)
+
+    def _progress(self) -> Dict[str, float]:
+        """The progress bar's numbers: rows written this run, rows per second, and seconds left at that rate."""
+        rate = self._rows_done / max(time.perf_counter() - self._started, 1e-9)
+        left = max(self._rows_wanted - self._rows_done, 0)
+        return {"gradian_rows": float(self._rows_done), "gradian_rows_per_s": rate, "gradian_eta_s": left / rate if rate > 0 else float("inf")}
 
     def _compute(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Dict[str, Any], wanted: torch.Tensor):
         """Rows [B, D] float32 (zeros where not wanted), losses [B] float32, supervised counts [B]."""
@@ -299,7 +315,7 @@ class GradientIndexer(L.Callback):
         with torch.random.fork_rng(devices=devices, device_type=pl_module.device.type), torch.inference_mode(False), torch.enable_grad():
             sub = {k: batch[k][wanted] for k in ("input_ids", "attention_mask", "labels") if k in batch}
             try:
-                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context())
+                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context(), self.loss_chunk_tokens)
             except torch.OutOfMemoryError:
                 raise self._out_of_memory(batch, wanted) from None
             except RuntimeError as err:  # MPS reports running out of memory as a plain RuntimeError
@@ -317,14 +333,21 @@ class GradientIndexer(L.Callback):
         vocab = getattr(head, "out_features", None) or getattr(getattr(self.model, "config", None), "vocab_size", None)
         max_len = (self.extra_meta.get("data") or {}).get("max_seq_length")  # known when run from a config
         batch_size = ((self.extra_meta.get("config") or {}).get("grads") or {}).get("batch_size", batch["input_ids"].shape[0])
-        peak = f"{human_bytes(fp32_logit_bytes(n_supervised, vocab))}" if vocab else "unknown (vocab unknown)"
+        chunk = self.loss_chunk_tokens
+        peak = f"{human_bytes(fp32_logit_bytes(n_supervised, vocab, chunk))}" if vocab else "unknown (vocab unknown)"
         rows = batch["index"][wanted]
+        # The third lever, named only when it is off and would bound this batch's logits.
+        lever = SUGGESTED_LOSS_CHUNK_TOKENS
+        third = (
+            f"or set grads.loss_chunk_tokens={lever} (the same rows; the fp32 logits then need at most {human_bytes(fp32_logit_bytes(lever, vocab))} whatever the batch); "
+            if chunk is None and vocab and n_supervised > lever else ""
+        )
         return DeviceOutOfMemoryError(
             f"device out of memory indexing rows {int(rows.min())}-{int(rows.max())}: a batch of {int(wanted.sum())} rows "
             f"(grads.batch_size={batch_size}, grads.max_seq_length={max_len if max_len is not None else 'unknown'}, padded length {batch['input_ids'].shape[1]}) "
             f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {peak} ({LOGIT_PEAK_COPIES}× that with their log-softmax and gradients, on top of weights and activations; gradian plan predicts the whole peak); "
             "lower grads.batch_size first (the peak is linear in it; it costs only wall time), then grads.max_seq_length (it can cut completions); "
-            "grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
+            f"{third}grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
         )
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

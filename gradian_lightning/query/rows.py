@@ -116,6 +116,7 @@ def query_gradients(
     device: Optional[torch.device | str] = None,
     forward_context: Optional[ContextManager] = None,
     source: str = "query data",
+    loss_chunk_tokens: Optional[int] = None,
 ) -> torch.Tensor:
     """Projected loss gradients [Q, D] float32 of arbitrary rows, made exactly like `index`'s rows.
 
@@ -126,7 +127,8 @@ def query_gradients(
     no truncation. `device` defaults to the model's. The model's train/eval mode, RNG and
     parameters' `.grad` are left as they were. Raises `IndexMismatchError` naming each mismatch and
     `DataError` for a row with no supervised token. A `peft.PeftModel` is run as its base model
-    (adapters in place), as `GradientIndexer` runs it.
+    (adapters in place), as `GradientIndexer` runs it. `loss_chunk_tokens`: see
+    `supervised_token_loss` (memory only; the rows are the same).
     """
     model = unwrap_peft(model)
     modules, projector = index_projector(index, model)
@@ -149,7 +151,7 @@ def query_gradients(
         with torch.random.fork_rng(devices=devices, device_type=device.type), torch.inference_mode(False), torch.enable_grad():
             for batch in loader:
                 batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
-                rows_, _ = projected_gradients(model, batch, capture, projector, forward_context or contextlib.nullcontext())
+                rows_, _ = projected_gradients(model, batch, capture, projector, forward_context or contextlib.nullcontext(), loss_chunk_tokens)
                 out.append(decode(encode(rows_, storage), storage))
     finally:
         for m, mode in training.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
@@ -20,6 +20,7 @@ from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, pad_token_id
 from gradian_lightning.index.callback import GradientIndexer
+from gradian_lightning.recipes.plan import format_index_start, index_layout
 
 
 class CausalLMModule(L.LightningModule):
@@ -45,11 +46,13 @@ def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
     return L.Trainer(callbacks=callbacks, **kwargs)
 
 
-def run_index(cfg: DictConfig) -> Optional[Dict[str, Any]]:
+def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None) -> Optional[Dict[str, Any]]:
     """Index `cfg.data.train` into `cfg.index.path`. Returns the summary of `GradientIndexer`.
 
     Under a multi-process strategy (trainer.strategy=ddp, num_nodes > 1) every process runs this and
     global rank 0 alone writes the index: it returns the summary, the other ranks None.
+    `announce` (e.g. `print`) gets one line before the first batch: rows, modules, row width and
+    the predicted index size, as `gradian plan` computes them.
     """
     require(cfg, "model.name_or_path", "data.train")
     rows = read_jsonl(cfg.data.train)  # data mistakes fail before the model loads
@@ -61,11 +64,14 @@ def run_index(cfg: DictConfig) -> Optional[Dict[str, Any]]:
     g = cfg.grads
     indexer = GradientIndexer(
         cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, rows_per_chunk=cfg.index.rows_per_chunk,
+        loss_chunk_tokens=g.loss_chunk_tokens,
         verbose=False,  # the CLI prints the summary
     )
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
+    if announce is not None:
+        announce(format_index_start(len(dataset), index_layout(model, g, len(dataset)), g.storage_dtype, str(cfg.index.path)))
     loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
     trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
     if not trainer.is_global_zero:

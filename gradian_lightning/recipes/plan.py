@@ -23,7 +23,7 @@ from gradian_lightning.config import STORAGE_DTYPES, module_patterns, require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import select_modules
-from gradian_lightning.gradients.memory import FP32_BYTES, LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.memory import FP32_BYTES, LOGIT_PEAK_COPIES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 
@@ -99,7 +99,11 @@ def precision_dtypes(cfg: DictConfig, config: Any) -> Tuple[torch.dtype, Optiona
 
 
 def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool, autocast: Optional[torch.dtype] = None) -> int:
-    """Bytes autograd keeps for backward in one forward of `tokens` tokens through `layers` layers.
+    """Bytes autograd keeps for backward in one indexing forward of `tokens` tokens through `layers` layers.
+
+    As `projected_gradients` runs it: parameters detached (no Linear input is kept for a weight
+    gradient), and the graph starting at the embeddings' output, a safe bound for any module_filter
+    (the real graph starts at the first captured module's output).
 
     Under `autocast`, the low-precision copies of Linear weights it saves are left out: they do not
     grow with tokens (`autocast_weight_bytes` counts them once).
@@ -116,6 +120,8 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    model.requires_grad_(False)  # plan's own throwaway copy: the same graph as detached parameters
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     casts = _WeightCasts(weights)  # autocast's copies of the weights: counted once, not per token
     saved: Dict[int, int] = {}
@@ -148,22 +154,44 @@ def activation_bytes_per_token(config: Any, dtype: torch.dtype, trust_remote_cod
     return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
 
 
-def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int) -> int:
+def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int, chunk_tokens: Optional[int] = None) -> int:
     """Predicted peak of one indexing batch: weights + activations + LOGIT_PEAK_COPIES × fp32 logits.
 
-    `tokens` counts every position of the padded batch (batch × padded length).
+    `tokens` counts every position of the padded batch (batch × padded length); `chunk_tokens` is
+    grads.loss_chunk_tokens (None: the whole batch's supervised tokens at once).
     """
-    return int(weights + tokens * act_per_token + LOGIT_PEAK_COPIES * fp32_logit_bytes(n_supervised, vocab_size))
+    return int(weights + tokens * act_per_token + LOGIT_PEAK_COPIES * fp32_logit_bytes(n_supervised, vocab_size, chunk_tokens))
 
 
-def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: int, weights: int, act_per_token: int, memory_bytes: int) -> int:
+def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: int, weights: int, act_per_token: int, memory_bytes: int, chunk_tokens: Optional[int] = None) -> int:
     """Largest b whose worst-case batch fits in `memory_bytes`: the b rows with most supervised
     tokens (`counts_desc`, sorted descending), padded to the longest row. 0 when one row does not fit."""
     b = np.arange(1, len(counts_desc) + 1, dtype=np.int64)
     worst = np.cumsum(np.asarray(counts_desc, dtype=np.int64))
+    if chunk_tokens is not None:
+        worst = np.minimum(worst, chunk_tokens)
     need = weights + b * longest * act_per_token + LOGIT_PEAK_COPIES * worst * vocab_size * FP32_BYTES
     fits = np.flatnonzero(need <= memory_bytes)
     return int(fits[-1] + 1) if len(fits) else 0
+
+
+def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any]:
+    """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype.
+
+    `model` may live on the meta device; `grads` is the `grads.*` config section.
+    """
+    projector = KroneckerProjector(select_modules(model, module_patterns(grads.module_filter)), grads.projection_dim, grads.seed)
+    return {
+        "modules": len(projector.blocks),
+        "width": projector.width,
+        "bytes_by_storage_dtype": {d: rows * projector.width * STORAGE_ITEMSIZE[d] for d in STORAGE_DTYPES},
+    }
+
+
+def format_index_start(rows: int, layout: Dict[str, Any], storage_dtype: str, path: str) -> str:
+    """The line `gradian index` prints before its first batch."""
+    size = human_bytes(layout["bytes_by_storage_dtype"][storage_dtype])
+    return f"gradian index: {rows} rows × {layout['modules']} modules, row width {layout['width']:,} ({storage_dtype}) -> {size} predicted for {path}"
 
 
 def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str, Any]:
@@ -179,7 +207,6 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     examples = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train)).examples
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
-    projector = KroneckerProjector(select_modules(model, module_patterns(g.module_filter)), g.projection_dim, g.seed)
     dtype, autocast = precision_dtypes(cfg, config)
     weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
     if autocast is not None:  # autocast keeps a low-precision copy of every Linear weight for backward
@@ -192,7 +219,9 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     b = min(g.batch_size, len(counts))
     batches = [slice(i, i + g.batch_size) for i in range(0, len(counts), g.batch_size)]
     in_order = max(int(counts[s].sum()) for s in batches)
-    worst = fp32_logit_bytes(int(desc[:b].sum()), vocab)
+    chunk = g.loss_chunk_tokens
+    worst = fp32_logit_bytes(int(desc[:b].sum()), vocab, chunk)
+    typical_logits = fp32_logit_bytes(int(round(b * counts.mean())), vocab, chunk)
     source = "--device-memory"
     if device_memory is None and str(cfg.trainer.get("accelerator", "auto")) != "cpu":
         found = accelerator_memory()
@@ -210,25 +239,26 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         "empty_rows": int((counts == 0).sum()),
         "fp32_logits_bytes": {
             "worst_case": worst,
-            "typical": int(round(b * counts.mean() * vocab * FP32_BYTES)),
-            "largest_batch_in_index_order": fp32_logit_bytes(in_order, vocab),
+            "typical": typical_logits,
+            "largest_batch_in_index_order": fp32_logit_bytes(in_order, vocab, chunk),
         },
         "precision": {"trainer.precision": str(cfg.trainer.get("precision", None) or "32-true"), "weights_dtype": str(dtype).replace("torch.", ""), "autocast_dtype": None if autocast is None else str(autocast).replace("torch.", "")},
+        "loss_chunk_tokens": chunk,
         "weights_bytes": int(weights),
         "activation_bytes_per_token": act,
         "logit_peak_copies": LOGIT_PEAK_COPIES,
         "peak_bytes": {
-            "worst_case": peak_bytes(weights, b * int(lengths.max()), act, int(desc[:b].sum()), vocab),
-            "typical": int(round(weights + b * lengths.mean() * act + LOGIT_PEAK_COPIES * b * counts.mean() * vocab * FP32_BYTES)),
-            "largest_batch_in_index_order": max(peak_bytes(weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab) for s in batches),
+            "worst_case": peak_bytes(weights, b * int(lengths.max()), act, int(desc[:b].sum()), vocab, chunk),
+            "typical": int(round(weights + b * lengths.mean() * act + LOGIT_PEAK_COPIES * typical_logits)),
+            "largest_batch_in_index_order": max(peak_bytes(weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab, chunk) for s in batches),
         },
         "device_memory": None if device_memory is None else {"bytes": int(device_memory), "source": source},
-        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory),
-        "index": {
-            "modules": len(projector.blocks),
-            "width": projector.width,
-            "bytes_by_storage_dtype": {d: len(counts) * projector.width * STORAGE_ITEMSIZE[d] for d in STORAGE_DTYPES},
-        },
+        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, chunk),
+        # The third lever, offered only when it is off: the same rows with a bounded loss peak.
+        "largest_batch_size_that_fits_with_suggested_chunk": None if device_memory is None or chunk is not None else
+            largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, SUGGESTED_LOSS_CHUNK_TOKENS),
+        "suggested_loss_chunk_tokens": SUGGESTED_LOSS_CHUNK_TOKENS,
+        "index": index_layout(model, g, len(counts)),
     }
 
 
@@ -240,7 +270,8 @@ def format_plan(plan: Dict[str, Any]) -> str:
         f"gradian plan: {n} rows of {plan['data']} at grads.max_seq_length={plan['max_seq_length']}, model {plan['model']} (vocab {plan['vocab_size']:,})",
         f"  supervised tokens per row: max {s['max']}, p95 {s['p95']:.1f}, mean {s['mean']:.1f}, min {s['min']}",
         f"  rows cut by grads.max_seq_length: {plan['truncated_rows']} ({100.0 * plan['truncated_rows'] / n:.1f}%); rows left with nothing supervised: {plan['empty_rows']}",
-        f"  fp32 logits at grads.batch_size={plan['batch_size']} (supervised tokens × vocab × 4 bytes):",
+        f"  fp32 logits at grads.batch_size={plan['batch_size']} (supervised tokens × vocab × 4 bytes"
+        + (f"; at most grads.loss_chunk_tokens={plan['loss_chunk_tokens']} tokens at a time):" if plan["loss_chunk_tokens"] else "):"),
         f"    worst case (the {min(plan['batch_size'], n)} rows with most supervised tokens): {human_bytes(f['worst_case'])}",
         f"    typical (batch_size × mean): {human_bytes(f['typical'])}",
         f"    largest batch in gradian index's order: {human_bytes(f['largest_batch_in_index_order'])}",
@@ -258,6 +289,12 @@ def format_plan(plan: Dict[str, Any]) -> str:
         fits = plan["largest_batch_size_that_fits"]
         what = f"{fits}" + (" (every row at once)" if fits >= n else "") if fits else "0: not even the largest row fits; lower grads.max_seq_length or use a larger device"
         lines.append(f"  largest batch size that fits {human_bytes(memory['bytes'])} ({memory['source']}): {what}")
+        chunked, c = plan["largest_batch_size_that_fits_with_suggested_chunk"], plan["suggested_loss_chunk_tokens"]
+        if chunked is not None and chunked > fits:
+            lines.append(
+                f"  with grads.loss_chunk_tokens={c} (head and fp32 loss {c} tokens at a time, recomputed in backward: the same rows, "
+                f"fp32 logits at most {human_bytes(fp32_logit_bytes(c, plan['vocab_size']))}): {chunked}" + (" (every row at once)" if chunked >= n else "")
+            )
     ix = plan["index"]
     sizes = ", ".join(f"{d} {human_bytes(b)}" for d, b in ix["bytes_by_storage_dtype"].items())
     lines.append(f"  index on disk ({n} rows × width {ix['width']:,} from {ix['modules']} modules, uncompressed): {sizes}")

@@ -81,7 +81,7 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     check_matches_index(index, model, settings)
     model.to(fabric.device)
-    rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data))
+    rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data), loss_chunk_tokens=g.loss_chunk_tokens)
     if client is not None:
         top, bottom = dask_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, cfg.query.normalize, client=client)
     else:

@@ -1,0 +1,162 @@
+"""Loss chunking at Llama-3's vocabulary: the loss peak with and without `grads.loss_chunk_tokens`.
+
+A tiny random-init Llama (hidden 256, 2 layers) with a 128,256-token vocabulary, on the CPU. Each
+point runs in a fresh process: model and batch are made, the kernel's peak-RSS mark is reset, then
+one forward, the per-example loss and the backward to the final norm (the head's and the loss's
+backward, as indexing does at the top of the model), and the peak RSS above the starting RSS is
+read back. Variants:
+  - trunk:      the decoder only (no head, no loss): what every variant shares;
+  - gathered:   `supervised_token_loss` as by default (head and fp32 loss over all supervised tokens);
+  - chunk N:    `supervised_token_loss(..., chunk_tokens=N)` (head + fp32 loss N tokens at a time,
+                recomputed in backward).
+"Loss part" = variant peak - trunk peak, against plan's formula LOGIT_PEAK_COPIES × fp32 logits,
+where the fp32 logits are min(supervised, N) × vocab × 4 bytes. A second, instrumented pass records
+the largest fp32 [.., vocab] tensor created. Time: the median of 3 timed steps after a warm-up, in
+the same child; the time ratio is chunked / gathered at the same batch.
+
+    PYTHONPATH=. python -m benchmarks.loss_chunking
+    PYTHONPATH=. python -m benchmarks.loss_chunking --smoke --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any, Dict, List
+
+from benchmarks.common import (
+    command_line, current_rss_bytes, emit, fmt_bytes, peak_rss_bytes, reset_peak_rss, run_child, synthetic_examples, table, tiny_llama, write_result,
+)
+
+VOCAB = 128_256  # Llama-3's
+BATCHES, SEQ, FRACTION, CHUNKS = (1, 2, 4, 8), 256, 0.5, (128, 256)
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gradian_lightning.data import collate
+    from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
+
+    torch.set_num_threads(1)
+    model = tiny_llama(vocab_size=args.vocab, hidden=args.hidden, layers=2)
+    batch = collate(synthetic_examples(args.batch, args.seq, args.vocab, args.fraction))
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    target = model.model.norm.weight  # backward stops here: the head's and the loss's backward only
+    chunk = None if args.variant in ("trunk", "gathered") else int(args.variant)
+    vocab = args.vocab
+
+    def run() -> None:
+        if args.variant == "trunk":
+            out = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state.sum()
+        else:
+            out = supervised_token_loss(model, batch, chunk_tokens=chunk).sum()
+        torch.autograd.grad(out, [target])
+
+    class LargestVocabTensor(TorchDispatchMode):
+        """Largest fp32 tensor whose last dimension is the vocabulary, bytes."""
+
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() not in parameters:
+                    self.nbytes = max(self.nbytes, t.numel() * 4)
+            return result
+
+    gc.collect()
+    start = current_rss_bytes()
+    reset_peak_rss()
+    run()
+    peak = peak_rss_bytes() - start
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    with LargestVocabTensor() as probe:
+        run()
+    emit({"peak": peak, "seconds": statistics.median(times), "vocab_tensor": probe.nbytes, "supervised": int(supervised_targets(batch["labels"]).sum())})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="gathered", help="trunk, gathered, or a chunk size")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--fraction", type=float, default=FRACTION)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true", help="a small vocabulary and batch: seconds")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes
+
+    batches, seq, chunks, vocab = ((1, 2), 32, (8,), 4096) if args.smoke else (BATCHES, args.seq, CHUNKS, VOCAB)
+    common = ["--seq", str(seq), "--fraction", str(args.fraction), "--vocab", str(vocab), "--hidden", str(args.hidden)]
+
+    def point(variant: str, b: int) -> Dict[str, Any]:
+        result = run_child("benchmarks.loss_chunking", ["--variant", variant, "--batch", str(b), *common])
+        print(f"{variant} B={b}: peak +{fmt_bytes(result['peak'])}, {result['seconds']:.3f} s, largest fp32 vocab tensor {fmt_bytes(result['vocab_tensor'])}", flush=True)
+        return result
+
+    rows: List[List[Any]] = []
+    points: List[Dict[str, Any]] = []
+    for b in batches:
+        trunk = point("trunk", b)
+        gathered = point("gathered", b)
+        for variant, result in [("gathered", gathered)] + [(str(c), point(str(c), b)) for c in chunks]:
+            chunk = None if variant == "gathered" else int(variant)
+            n = result["supervised"]
+            part = result["peak"] - trunk["peak"]
+            formula = LOGIT_PEAK_COPIES * fp32_logit_bytes(n, vocab, chunk)
+            loss_s, gathered_loss_s = result["seconds"] - trunk["seconds"], gathered["seconds"] - trunk["seconds"]
+            rows.append([
+                b, n, "off" if chunk is None else chunk, fmt_bytes(part), fmt_bytes(formula), f"{part / formula:.2f}",
+                f"{fmt_bytes(result['vocab_tensor'])} / {fmt_bytes(fp32_logit_bytes(n, vocab, chunk))}",
+                f"{result['seconds']:.3f}", f"{result['seconds'] / gathered['seconds']:.2f}", f"{loss_s / gathered_loss_s:.2f}" if gathered_loss_s > 0 and loss_s > 0 else "n/a (below noise)",
+            ])
+            points.append({"chunk": chunk, "supervised": n, "part": part, "formula": formula})
+    header = [
+        "batch", "supervised tokens", "loss_chunk_tokens", "loss part (measured)", f"formula {LOGIT_PEAK_COPIES} × fp32 logits", "measured / formula",
+        "largest fp32 vocab tensor: measured / min(sup, chunk)×V×4", "step s", "step time / unchunked", "loss-part time / unchunked",
+    ]
+    body = (
+        f"Tiny random-init Llama (hidden {args.hidden}, 2 layers, fp32), vocab {vocab:,}; batches of {seq} tokens, {args.fraction:.0%} supervised; "
+        "peaks are RSS above the process's RSS before the step, fresh process per point; loss part = peak − trunk peak; "
+        "step = forward + per-example loss + backward to the final norm, median of 3 after a warm-up, 1 torch thread.\n\n" + table(header, rows)
+    )
+    write_result("loss_chunking", command_line(), body, args.out)
+    plot(points, vocab, args.out)
+
+
+def plot(points: List[Dict[str, Any]], vocab: int, out: str | None) -> None:
+    """Loss part of the peak against supervised tokens, measured (markers) beside plan's formula (lines)."""
+    from benchmarks.common import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for i, chunk in enumerate(sorted({p["chunk"] for p in points}, key=lambda c: -1 if c is None else c)):
+        mine = sorted((p for p in points if p["chunk"] == chunk), key=lambda p: p["supervised"])
+        xs = [p["supervised"] for p in mine]
+        label = "loss_chunk_tokens off" if chunk is None else f"loss_chunk_tokens={chunk}"
+        line = ax.plot(xs, [p["formula"] / 2**20 for p in mine], linestyle="--", linewidth=1, color=f"C{i}")[0]
+        ax.plot(xs, [p["part"] / 2**20 for p in mine], marker="o", linestyle="none", color=line.get_color(), label=f"{label}: measured (o), formula (--)")
+    ax.set_xlabel("supervised tokens in the batch")
+    ax.set_ylabel("loss part of peak RSS, MiB")
+    ax.set_title(f"Loss peak against supervised tokens, vocab {vocab:,}")
+    ax.legend(fontsize=7)
+    save_figure("loss_chunking", fig, out)
+
+
+if __name__ == "__main__":
+    main()
