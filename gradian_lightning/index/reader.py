@@ -13,6 +13,7 @@ import torch
 import zarr
 
 from gradian_lightning.index.layout import decode, read_meta
+from gradian_lightning.index.statistics import RowStatistics, counted, layout_blocks
 
 
 class IndexReader:
@@ -62,3 +63,15 @@ class IndexReader:
         step = self.grads.chunks[0]
         for lo in range(0, len(self), step):
             yield lo, self.rows(slice(lo, min(lo + step, len(self))))
+
+    def statistics(self) -> RowStatistics:
+        """The row statistics stored by the writer; for an index written before they existed, one pass over its rows."""
+        stored = RowStatistics.load(self.group)
+        if stored is not None:
+            return stored
+        stats = RowStatistics.empty(layout_blocks(self.meta), int(self.meta["width"]))
+        for lo, rows in self.chunks():
+            hi = lo + len(rows)
+            keep = self.group["complete"][lo:hi] & counted(self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi])
+            stats.add(rows[torch.from_numpy(keep)])
+        return stats
