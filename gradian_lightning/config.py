@@ -20,6 +20,7 @@ STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
+PRECONDITIONS = ("none", "diag", "fisher")
 
 
 @dataclass
@@ -59,6 +60,9 @@ class QueryConfig:
     bottom_k: int = 0
     score: str = "cosine"
     normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
+    precondition: str = "none"  # none | diag | fisher, from the statistics stored in the index
+    damping: float = 0.1  # relative to the mean eigenvalue of each module's second moment
+    checkpoints: Any = "last"  # last | all | [steps]: which checkpoints' scores are summed
     output: Optional[str] = None
 
 
@@ -150,6 +154,10 @@ def validate(cfg: DictConfig) -> None:
     _check(q.bottom_k >= 0, "query.bottom_k", q.bottom_k, "an integer >= 0")
     _check(q.score in SCORES, "query.score", q.score, " or ".join(SCORES))
     _check(q.normalize in NORMALIZE, "query.normalize", q.normalize, " or ".join(NORMALIZE))
+    _check(q.precondition in PRECONDITIONS, "query.precondition", q.precondition, " or ".join(PRECONDITIONS))
+    _check(q.damping >= 0, "query.damping", q.damping, "a number >= 0")
+    steps = OmegaConf.to_object(q.checkpoints) if OmegaConf.is_config(q.checkpoints) else q.checkpoints
+    _check(steps in ("last", "all") or (isinstance(steps, list) and steps and all(isinstance(s, int) for s in steps)), "query.checkpoints", steps, "last, all or a list of checkpoint steps")
     _check(bool(str(cfg.index.path).strip()), "index.path", cfg.index.path, "a directory path for the zarr index")
 
 
