@@ -23,6 +23,7 @@ from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.index.layout import fingerprint
+from gradian_lightning.index.checkpoints import register_checkpoint
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.versions import package_versions
 
@@ -64,6 +65,10 @@ class GradientIndexer(L.Callback):
             default: the top-most `transformers.PreTrainedModel` found.
         overwrite: replace an index of another configuration found at `path`.
         meta: extra plain data stored in the index attributes (the CLI stores its config).
+        checkpoints: keep every indexed validation run as one checkpoint of one index at `path`,
+            keyed by global step (or `self.step` when set), with the learning rate at that step
+            (index/checkpoints.py); queries then sum the checkpoints' scores (`query.checkpoints`).
+        every_n_val_runs: index only every n-th validation run (1: each).
     """
 
     def __init__(
@@ -77,6 +82,8 @@ class GradientIndexer(L.Callback):
         model_attribute: Optional[str] = None,
         overwrite: bool = False,
         meta: Optional[Dict[str, Any]] = None,
+        checkpoints: bool = False,
+        every_n_val_runs: int = 1,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
@@ -90,6 +97,12 @@ class GradientIndexer(L.Callback):
         self.summary: Optional[Dict[str, Any]] = None  # set on rank 0 after each indexing run
         self._writer: Optional[IndexWriter] = None
         self._todo: Optional[np.ndarray] = None
+        if every_n_val_runs < 1:
+            raise ConfigError(f"GradientIndexer(every_n_val_runs={every_n_val_runs!r}) is not allowed; use an integer >= 1")
+        # checkpoints=True: each indexed validation run adds checkpoint `step` (default: the
+        # global step) to one index at `path` (index/checkpoints.py) instead of replacing it.
+        self.checkpoints, self.every_n_val_runs, self.step = checkpoints, every_n_val_runs, None
+        self._val_runs, self._checkpoint = 0, None
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -141,11 +154,21 @@ class GradientIndexer(L.Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._active(trainer):
             return
+        self._val_runs += 1
+        if self._val_runs % self.every_n_val_runs:
+            return
         num_rows = self._num_rows(trainer)
         path = self.path_template.format(step=trainer.global_step)
         todo = None
         if trainer.is_global_zero:
-            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, self._meta(trainer, num_rows), self.overwrite)
+            meta = self._meta(trainer, num_rows)
+            if self.checkpoints:
+                step = int(trainer.global_step) if self.step is None else int(self.step)
+                lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+                meta = {**meta, "global_step": step, "lr": lr}
+                self._checkpoint = (path, step, lr)
+                path = register_checkpoint(path, step, lr, meta, complete=False, overwrite=self.overwrite)
+            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, meta, self.overwrite)
             todo = self._writer.todo
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self._rows_done = 0
@@ -223,6 +246,10 @@ class GradientIndexer(L.Callback):
         if trainer.is_global_zero:
             writer, self._writer = self._writer, None
             complete = writer.close()
+            if self._checkpoint is not None:
+                root, step, lr = self._checkpoint
+                register_checkpoint(root, step, lr, writer.meta, complete=complete)
+                self._checkpoint = None
             self.summary = summarize(writer, complete)
         self._todo = None
         trainer.strategy.barrier()
