@@ -29,6 +29,10 @@ class ModelConfig:
     dtype: str = "float32"
     revision: Optional[str] = None
     trust_remote_code: bool = False
+    # Saved checkpoints of this model (Hugging Face directories), oldest first, e.g. [base, fine-tuned]:
+    # `gradian index` indexes each as one checkpoint (step = its position), `gradian query` with
+    # query.checkpoints=all|[steps] makes the query rows with each.
+    checkpoints: Optional[List[str]] = None
 
 
 @dataclass

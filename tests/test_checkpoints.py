@@ -106,3 +106,36 @@ def test_every_n_val_runs_and_a_one_checkpoint_index(tmp_path, model, tokenizer,
     with pytest.raises(ConfigError, match="one-checkpoint"):
         t = trainer(tmp_path, [GradientIndexer(tmp_path / "plain", module_filter="down_proj", projection_dim=4, storage_dtype="float32", checkpoints=True)])
         t.validate(FineTune(model), dataloaders=loader(dataset))
+
+
+def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, tokenizer, rows, saved_model):
+    from conftest import make_model, write_jsonl
+    from gradian_lightning.cli import main
+
+    tuned = tmp_path / "tuned"
+    make_model(len(tokenizer), seed=1).save_pretrained(tuned)
+    tokenizer.save_pretrained(tuned)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    queries = write_jsonl(tmp_path / "queries.jsonl", rows[:2])
+    common = ["configs/smollm2.yaml", f"model.name_or_path={tuned}", f"model.checkpoints=[{saved_model},{tuned}]", f"index.path={tmp_path / 'ix'}",
+              "grads.storage_dtype=float32", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    assert main(["index", *common, f"data.train={data}"]) == 0
+    index = open_index(tmp_path / "ix")
+    assert [e["step"] for e in index.checkpoints] == [0, 1] and [e["lr"] for e in index.checkpoints] == [None, None]
+    assert index.at(0).meta["model"]["name_or_path"] == str(saved_model) and index.meta["model"]["name_or_path"] == str(tuned)
+    assert main(["query", *common, f"query.data={queries}", "query.checkpoints=all", f"query.output={tmp_path / 'all.jsonl'}", f"query.top_k={len(rows)}"]) == 0
+    import json
+
+    got = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    # no learning rates recorded: the two checkpoints' scores are summed with equal weights
+    from transformers import AutoModelForCausalLM
+
+    per = []
+    for step, path in ((0, saved_model), (1, tuned)):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        q = query_gradients(index.at(step), model, tokenizer, rows[:2])
+        per.append(_all_scores(index.at(step).topk(q, k=len(rows)), len(rows)))
+    expected = per[0] + per[1]
+    for qi, result in enumerate(got):
+        for r in result["results"]:
+            assert abs(r["score"] - expected[qi, r["index"]]) < 1e-4

@@ -165,7 +165,7 @@ class GradientIndexer(L.Callback):
             if self.checkpoints:
                 step = int(trainer.global_step) if self.step is None else int(self.step)
                 lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
-                meta = {**meta, "global_step": step, "lr": lr}
+                meta = {**meta, "global_step": step, "lr": lr, "num_rows": num_rows, "width": self.projector.width, "storage_dtype": self.storage_dtype}
                 self._checkpoint = (path, step, lr)
                 path = register_checkpoint(path, step, lr, meta, complete=False, overwrite=self.overwrite)
             self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, meta, self.overwrite)

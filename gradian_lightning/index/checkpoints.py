@@ -46,7 +46,7 @@ def register_checkpoint(root: str | Path, step: int, lr: Optional[float], meta: 
     """
     root = Path(root)
     old = _root_meta(root)
-    if root.exists() and (old is None or "checkpoints" not in old or old.get("fingerprint") != meta.get("fingerprint")):
+    if root.exists() and (old is None or "checkpoints" not in old or _rows_layout(old) != _rows_layout(meta)):
         if not overwrite:
             what = "a Gradian index of another configuration" if old is not None and "checkpoints" in old else (
                 "a one-checkpoint Gradian index" if old is not None else "something that is not a Gradian index")
@@ -61,6 +61,11 @@ def register_checkpoint(root: str | Path, step: int, lr: Optional[float], meta: 
     newest = meta if int(step) >= entries[-1]["step"] else dict((old or meta))
     group.attrs[ATTRIBUTE] = {**newest, "format_version": FORMAT_VERSION, "checkpoints": entries, "complete": all(e["complete"] for e in entries)}
     return root / checkpoint_group(step)
+
+
+def _rows_layout(meta: Dict[str, Any]) -> Tuple[Any, ...]:
+    # What every checkpoint of one index shares; the model's name may differ (a base and its fine-tune).
+    return tuple(repr(meta.get(key)) for key in ("modules", "projection", "storage_dtype", "num_rows", "width", "data"))
 
 
 def _root_meta(root: Path) -> Optional[Dict[str, Any]]:

@@ -55,12 +55,17 @@ def run_index(cfg: DictConfig) -> Dict[str, Any]:
         "data": {"path": str(cfg.data.train), "sha256": file_sha256(cfg.data.train), "max_seq_length": cfg.grads.max_seq_length},
     }
     g = cfg.grads
-    indexer = GradientIndexer(cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta)
-    trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
-    loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
-    trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
-    if indexer.summary is None:
-        raise GradianError("indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)")
+    checkpoints = list(cfg.model.checkpoints or [])
+    indexer = GradientIndexer(cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, checkpoints=bool(checkpoints))
+    make_trainer(cfg, [])  # before the model loads: trainer.* mistakes fail fast
+    # model.checkpoints: one index, one checkpoint per saved model, keyed by its position in the list.
+    for step, name in enumerate(checkpoints or [cfg.model.name_or_path]):
+        model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": name})
+        model, tokenizer = load_model_and_tokenizer(model_cfg)
+        dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
+        loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
+        indexer.step, indexer.summary = (step if checkpoints else None), None
+        make_trainer(cfg, [indexer]).validate(CausalLMModule(model), dataloaders=loader, verbose=False)
+        if indexer.summary is None:
+            raise GradianError("indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)")
     return indexer.summary

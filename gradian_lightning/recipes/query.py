@@ -14,6 +14,7 @@ import lightning as L
 from omegaconf import OmegaConf
 
 from gradian_lightning.config import require
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.hub import file_sha256, load_model_and_tokenizer
 from gradian_lightning.index.reader import IndexReader
@@ -48,6 +49,22 @@ def write_results(path: str | Path, results: Sequence[Dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in results))
 
 
+def _checkpoint_models(cfg: Any, index: Index, which: Any) -> List[tuple]:
+    """(checkpoint step, model name_or_path) for each checkpoint the query scores with."""
+    from gradian_lightning.index.checkpoints import checkpoint_weights
+
+    chosen = [int(e["step"]) for e, _ in checkpoint_weights(index.checkpoints, which)]
+    if chosen == [index.checkpoints[-1]["step"]] and not cfg.model.checkpoints:
+        return [(chosen[0], cfg.model.name_or_path)]
+    names = list(cfg.model.checkpoints or [])
+    if len(names) != len(index.checkpoints):
+        raise ConfigError(
+            f"setting 'query.checkpoints'={which!r} needs one saved model per checkpoint of the index at {str(index.path)!r} (steps {[e['step'] for e in index.checkpoints]}) in model.checkpoints, oldest first; it lists {len(names)}"
+        )
+    by_step = {int(e["step"]): name for e, name in zip(index.checkpoints, names)}
+    return [(step, by_step[step]) for step in chosen]
+
+
 def run_query(cfg: Any) -> Dict[str, Any]:
     """Answer `cfg.query.data` against the index at `cfg.index.path`; write `cfg.query.output` if set.
 
@@ -65,11 +82,16 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
     fabric = L.Fabric(**fabric_kwargs, devices=1)
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    check_matches_index(index, model, settings)
-    model.to(fabric.device)
-    rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data))
-    top, bottom = streaming_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, device=fabric.device, normalize=cfg.query.normalize)
+    which = OmegaConf.to_object(cfg.query.checkpoints) if OmegaConf.is_config(cfg.query.checkpoints) else cfg.query.checkpoints
+    rows = {}
+    for step, name in _checkpoint_models(cfg, index, which):
+        reader = index if step == index.step else index.at(step)
+        model, tokenizer = load_model_and_tokenizer(OmegaConf.merge(cfg.model, {"name_or_path": name}))
+        check_matches_index(reader, model, settings)
+        model.to(fabric.device)
+        rows[step] = query_gradients(reader, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data))
+    q = cfg.query
+    top, bottom = streaming_topk(index, rows, q.top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which)
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     if cfg.query.output:
