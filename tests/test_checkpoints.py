@@ -69,13 +69,13 @@ def test_checkpoint_sum_equals_lr_weighted_single_checkpoint_scores(tmp_path, mo
     n = len(index)
     for precondition in ("none", "diag"):
         dense = sum(
-            lr * _all_scores(index.at(step).topk(queries[step], k=n, precondition=precondition), n)
+            lr / sum(lrs) * _all_scores(index.at(step).topk(queries[step], k=n, precondition=precondition), n)
             for step, lr in zip(steps, lrs)
         )
         together = _all_scores(index.topk(queries, k=n, checkpoints="all", precondition=precondition), n)
         np.testing.assert_allclose(together, dense, rtol=1e-5, atol=1e-6)
         two = _all_scores(index.topk(queries, k=n, checkpoints=steps[:2], precondition=precondition), n)
-        np.testing.assert_allclose(two, sum(lr * _all_scores(index.at(s).topk(queries[s], k=n, precondition=precondition), n) for s, lr in zip(steps[:2], lrs[:2])), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(two, sum(lr / sum(lrs[:2]) * _all_scores(index.at(s).topk(queries[s], k=n, precondition=precondition), n) for s, lr in zip(steps[:2], lrs[:2])), rtol=1e-5, atol=1e-6)
     last = _all_scores(index.topk(queries, k=n, checkpoints="last"), n)
     np.testing.assert_allclose(last, _all_scores(index.topk(queries[steps[-1]], k=n), n), rtol=1e-6)
     with pytest.raises(ConfigError, match="query.checkpoints"):
@@ -127,7 +127,7 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
     import json
 
     got = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
-    # no learning rates recorded: the two checkpoints' scores are summed with equal weights
+    # no learning rates recorded: the two checkpoints' scores are averaged with equal weights
     from transformers import AutoModelForCausalLM
 
     per = []
@@ -135,7 +135,7 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         q = query_gradients(index.at(step), model, tokenizer, rows[:2])
         per.append(_all_scores(index.at(step).topk(q, k=len(rows)), len(rows)))
-    expected = per[0] + per[1]
+    expected = (per[0] + per[1]) / 2
     for qi, result in enumerate(got):
         for r in result["results"]:
             assert abs(r["score"] - expected[qi, r["index"]]) < 1e-4

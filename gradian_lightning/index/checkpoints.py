@@ -81,6 +81,7 @@ def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tu
     `which`: "last" (the newest checkpoint, weight 1), "all", or a list of steps. With more than
     one, each checkpoint's scores are weighted by its learning rate as in TracIn-CP and LESS, or
     equally when any of them has no recorded learning rate (an index built from saved models).
+    The weights are scaled to sum to 1 (the ranking is the same; a cosine score stays in [-1, 1]).
     """
     by_step = {int(e["step"]): e for e in entries}
     if which == "last":
@@ -96,6 +97,7 @@ def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tu
     if len(chosen) == 1:
         return [(chosen[0], 1.0)]
     lrs = [e.get("lr") for e in chosen]
-    if any(lr is None for lr in lrs):
-        return [(e, 1.0) for e in chosen]
-    return [(e, float(lr)) for e, lr in zip(chosen, lrs)]
+    if any(lr is None for lr in lrs) or sum(float(lr) for lr in lrs) <= 0:
+        return [(e, 1.0 / len(chosen)) for e in chosen]
+    total = sum(float(lr) for lr in lrs)
+    return [(e, float(lr) / total) for e, lr in zip(chosen, lrs)]
