@@ -66,7 +66,7 @@ class QueryConfig:
     normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
     precondition: str = "none"  # none | diag | fisher, from the statistics stored in the index
     damping: float = 0.1  # relative to the mean eigenvalue of each module's second moment
-    checkpoints: Any = "last"  # last | all | [steps]: which checkpoints' scores are summed
+    checkpoints: Any = "all"  # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
     output: Optional[str] = None
 
 

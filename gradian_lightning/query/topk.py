@@ -110,7 +110,7 @@ def streaming_topk(
     normalize: str = "module",
     precondition: str = "none",
     damping: float = 0.1,
-    checkpoints: Any = "last",
+    checkpoints: Any = "all",
 ) -> tuple[Ranking, Optional[Ranking]]:
     """Top-k (and, when `bottom_k` > 0, bottom-k: most negative first) rows of `index` per query.
 
@@ -122,8 +122,9 @@ def streaming_topk(
     (benchmarks/RANKING.md: mean MRR 0.42 -> 0.55 over 12 planted-source sets); "row" the whole
     row, as in LESS/TrackStar. `precondition` ("none", "diag", "fisher", with `damping` relative to
     the mean eigenvalue; query/precondition.py) is applied to query and training rows first.
-    `checkpoints` ("last", "all" or a list of steps; only with a dict of rows) says which
-    checkpoints' scores are summed, weighted by their learning rates (index/checkpoints.py).
+    `checkpoints` ("all", "last" or a list of steps; only with a dict of rows) says which
+    checkpoints' scores are summed, weighted by their learning rates (index/checkpoints.py);
+    "all" is the default because summing checkpoints measured best (benchmarks/RANKING.md).
     Each chunk is scored as one float32 matmul per checkpoint on `device` (default: the
     queries' device). Returns (top, bottom or None).
     """
@@ -175,7 +176,7 @@ class Index(IndexReader):
 
     def topk(
         self, query_rows: torch.Tensor | Dict[int, torch.Tensor], k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None,
-        normalize: str = "module", precondition: str = "none", damping: float = 0.1, checkpoints: Any = "last",
+        normalize: str = "module", precondition: str = "none", damping: float = 0.1, checkpoints: Any = "all",
     ) -> Any:
         """The k best rows per query (`streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
 
