@@ -10,9 +10,12 @@ stack (tests/test_layout.py fails on any import circle and names it):
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
       topk.py                  streaming_topk, Ranking, open_index -> Index (IndexReader + topk)
+      precondition.py          none / diag / fisher from the index's row statistics
     index/                     the zarr store: knows nothing of scoring or Lightning
       layout.py                the one description of the on-disk layout, encoding, chunking
       writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
+      statistics.py            per-module RᵀR and per-coordinate sums of squares, gathered while writing
+      checkpoints.py           several checkpoints (step, learning rate) of one model in one index
     gradients/                 the gradient path, plain torch: no Lightning, no zarr
       capture.py               select_modules, LinearCapture (hooks on the selected Linears)
       loss.py                  supervised_token_loss: fp32 gather-then-upcast
