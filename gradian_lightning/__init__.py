@@ -11,10 +11,13 @@ stack (tests/test_layout.py fails on any import circle and names it):
       rows.py                  query_gradients: data rows -> rows made like the index's
       topk.py                  streaming_topk, Ranking, open_index -> Index (IndexReader + topk)
       dask_engine.py           dask_topk: the same scoring as Dask reductions on a cluster (query.engine=dask)
+      precondition.py          none / diag / fisher from the index's row statistics
     index/                     the zarr store: knows nothing of scoring or Lightning
       layout.py                the one description of the on-disk layout, encoding, chunking
       location.py              index.path -> zarr store: a local directory or an fsspec URL (s3://, gs://, ...)
       writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
+      statistics.py            per-module RᵀR and per-coordinate sums of squares, gathered while writing
+      checkpoints.py           several checkpoints (step, learning rate) of one model in one index
     gradients/                 the gradient path, plain torch: no Lightning, no zarr
       capture.py               select_modules, LinearCapture (hooks on the selected Linears)
       peft.py                  PEFT LoRA models: the model to hook, the names lora_A/lora_B/base layers answer to

@@ -21,6 +21,7 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
 ENGINES = ("local", "dask")
+PRECONDITIONS = ("none", "diag", "fisher")
 
 
 @dataclass
@@ -29,6 +30,10 @@ class ModelConfig:
     dtype: str = "float32"
     revision: Optional[str] = None
     trust_remote_code: bool = False
+    # Saved checkpoints of this model (Hugging Face directories), oldest first, e.g. [base, fine-tuned]:
+    # `gradian index` indexes each as one checkpoint (step = its position), `gradian query` with
+    # query.checkpoints=all|[steps] makes the query rows with each.
+    checkpoints: Optional[List[str]] = None
 
 
 @dataclass
@@ -65,6 +70,9 @@ class QueryConfig:
     normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
     engine: str = "local"  # "local": stream chunks in this process; "dask": score on a Dask cluster
     dask_scheduler: Optional[str] = None  # engine dask: scheduler address; null starts a LocalCluster
+    precondition: str = "none"  # none | diag | fisher, from the statistics stored in the index
+    damping: float = 0.1  # relative to the mean eigenvalue of each module's second moment
+    checkpoints: Any = "all"  # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
     output: Optional[str] = None
 
 
@@ -165,6 +173,10 @@ def validate(cfg: DictConfig) -> None:
     _check(q.engine in ENGINES, "query.engine", q.engine, " or ".join(ENGINES))
     _check(cfg.index.rows_per_chunk is None or cfg.index.rows_per_chunk >= 1, "index.rows_per_chunk", cfg.index.rows_per_chunk, "an integer >= 1, or null for about 4 MiB per chunk")
     _check(bool(str(cfg.index.path).strip()), "index.path", cfg.index.path, "a directory path or fsspec URL for the zarr index")
+    _check(q.precondition in PRECONDITIONS, "query.precondition", q.precondition, " or ".join(PRECONDITIONS))
+    _check(q.damping >= 0, "query.damping", q.damping, "a number >= 0")
+    steps = OmegaConf.to_object(q.checkpoints) if OmegaConf.is_config(q.checkpoints) else q.checkpoints
+    _check(steps in ("last", "all") or (isinstance(steps, list) and steps and all(isinstance(s, int) for s in steps)), "query.checkpoints", steps, "last, all or a list of checkpoint steps")
 
 
 def require(cfg: DictConfig, *keys: str) -> None:

@@ -51,7 +51,9 @@ def test_cli_on_two_ddp_ranks_writes_the_one_process_index(tmp_path, saved_model
     assert done.returncode == 0, done.stderr[-3000:]
     assert "distributed_backend=gloo" in done.stderr + done.stdout and "MEMBER: 2/2" in done.stderr + done.stdout
     reports = [line for line in done.stdout.splitlines() if line.startswith("gradian index:")]
-    assert reports == [f"gradian index: 9/9 rows written to {tmp_path / 'two'} (complete)"]  # rank 0 alone reports
+    # Rank 0 alone reports: the plan line before the first batch, the summary after the last.
+    assert [line for line in reports if "rows written to" in line] == [f"gradian index: 9/9 rows written to {tmp_path / 'two'} (complete)"], reports
+    assert len([line for line in reports if "predicted for" in line]) == 1, reports
     one, two = open_index(tmp_path / "one"), open_index(tmp_path / "two")
     assert two.meta["complete"] and two.column("complete").all()
     assert list(two.column("id")) == [f"row-{i}" for i in range(9)]  # each row once, at its own position

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from gradian_lightning import open_index
 from gradian_lightning.cli import main
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index import layout

@@ -2,7 +2,6 @@
 matrices or the base layers, and the rows are the exact per-example gradients of what was selected."""
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader

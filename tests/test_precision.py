@@ -17,7 +17,7 @@ from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.recipes.plan import activation_bytes_per_token, make_plan
+from gradian_lightning.recipes.plan import make_plan
 
 from conftest import ROWS, ValidateOnly, make_model, write_jsonl
 

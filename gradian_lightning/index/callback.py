@@ -28,6 +28,7 @@ from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.index.checkpoints import register_checkpoint
 from gradian_lightning.index.layout import fingerprint, read_meta
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.versions import package_versions
@@ -71,6 +72,8 @@ def _check_arguments(**given: Any) -> None:
         "meta": (given["meta"] is None or isinstance(given["meta"], dict), "None or a dict of JSON data"),
         "rows_per_chunk": (given["rows_per_chunk"] is None or (_is_int(given["rows_per_chunk"]) and given["rows_per_chunk"] >= 1), "None or an integer >= 1"),
         "loss_chunk_tokens": (given["loss_chunk_tokens"] is None or (_is_int(given["loss_chunk_tokens"]) and given["loss_chunk_tokens"] >= 1), "None or an integer >= 1"),
+        "checkpoints": (isinstance(given["checkpoints"], bool), "True or False"),
+        "every_n_val_runs": (_is_int(given["every_n_val_runs"]) and given["every_n_val_runs"] >= 1, "an integer >= 1"),
     }
     for name, (ok, allowed) in rules.items():
         if not ok:
@@ -127,6 +130,10 @@ class GradientIndexer(L.Callback):
             loses at most the chunks it had not finished, and resumes from the rest.
         loss_chunk_tokens: run the output head and fp32 cross-entropy this many supervised tokens
             at a time (`grads.loss_chunk_tokens`): a bounded loss peak, the same rows; None = all at once.
+        checkpoints: keep every indexed validation run as one checkpoint of one index at `path`,
+            keyed by global step (or `self.step` when set), with the learning rate at that step
+            (index/checkpoints.py); queries then sum the checkpoints' scores (`query.checkpoints`).
+        every_n_val_runs: index only every n-th validation run (1: each).
 
     Every argument is checked here, before any Trainer exists: a wrong one is one `ConfigError` line.
     The callback's `state_dict` (saved in Lightning checkpoints) holds how many indexing runs it
@@ -149,12 +156,15 @@ class GradientIndexer(L.Callback):
         verbose: bool = True,
         rows_per_chunk: Optional[int] = None,
         loss_chunk_tokens: Optional[int] = None,
+        checkpoints: bool = False,
+        every_n_val_runs: int = 1,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
         if projection_dim is not None and (not _is_int(projection_dim) or projection_dim < 1):
             raise ConfigError(f"setting 'grads.projection_dim'={projection_dim!r} is not allowed; use an integer >= 1, or null for exact gradients")
-        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose, rows_per_chunk=rows_per_chunk, loss_chunk_tokens=loss_chunk_tokens)
+        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose, rows_per_chunk=rows_per_chunk, loss_chunk_tokens=loss_chunk_tokens,
+                         checkpoints=checkpoints, every_n_val_runs=every_n_val_runs)
         self.path_template = str(path)
         self.patterns = module_patterns(module_filter)
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
@@ -168,6 +178,10 @@ class GradientIndexer(L.Callback):
         self.runs: List[Dict[str, Any]] = []
         self._writer: Optional[IndexWriter] = None
         self._todo: Optional[np.ndarray] = None
+        # checkpoints=True: each indexed validation run adds checkpoint `step` (default: the
+        # global step) to one index at `path` (index/checkpoints.py) instead of replacing it.
+        self.checkpoints, self.every_n_val_runs, self.step = checkpoints, every_n_val_runs, None
+        self._val_runs, self._checkpoint = 0, None
 
     # -- Lightning checkpoint state --------------------------------------------------------------
     @property
@@ -258,11 +272,21 @@ class GradientIndexer(L.Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._active(trainer):
             return
+        self._val_runs += 1
+        if self._val_runs % self.every_n_val_runs:
+            return
         num_rows = self._num_rows(trainer)
         path = self.path_template.format(step=trainer.global_step)
         todo = None
         if trainer.is_global_zero:
-            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, self._meta(trainer, num_rows), self.overwrite, self.rows_per_chunk)
+            meta = self._meta(trainer, num_rows)
+            if self.checkpoints:
+                step = int(trainer.global_step) if self.step is None else int(self.step)
+                lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+                meta = {**meta, "global_step": step, "lr": lr, "num_rows": num_rows, "width": self.projector.width, "storage_dtype": self.storage_dtype}
+                self._checkpoint = (path, step, lr)
+                path = register_checkpoint(path, step, lr, meta, complete=False, overwrite=self.overwrite)
+            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, meta, self.overwrite, self.rows_per_chunk)
             todo = self._writer.todo
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self._rows_done = 0
@@ -356,6 +380,10 @@ class GradientIndexer(L.Callback):
         if trainer.is_global_zero:
             writer, self._writer = self._writer, None
             complete = writer.close()
+            if self._checkpoint is not None:
+                root, step, lr = self._checkpoint
+                register_checkpoint(root, step, lr, writer.meta, complete=complete)
+                self._checkpoint = None
             self.summary = {**summarize(writer, complete), "computed_rows": self._rows_done}
         run = {"step": int(trainer.global_step), "path": self.path_template.format(step=trainer.global_step), "rows": None, "complete": None}
         if self.summary is not None and trainer.is_global_zero:

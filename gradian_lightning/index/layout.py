@@ -10,6 +10,7 @@
       truncated_tokens   [N] i32     supervised tokens cut by max_seq_length (-1: unknown)
       finite             [N] bool    false when the gradient had NaN/inf (the row is stored as zeros)
       complete           [N] bool    the row is written; set only after its data is on disk
+      statistics/                    second moments of the counted rows, written on close (statistics.py)
 
 Row i is dataset position i, whatever order rows arrive in. Metadata attribute "gradian" holds
 `format_version`, `complete` (every row written), `num_rows`, `width`, `storage_dtype`,

@@ -13,8 +13,9 @@ import torch
 import zarr
 
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, encode
+from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, decode, encode
 from gradian_lightning.index.location import Location
+from gradian_lightning.index.statistics import RowStatistics, counted, layout_blocks
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -66,6 +67,10 @@ class IndexWriter:
         self.kept_rows = int(self.done.sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
         self.nonfinite_rows: List[int] = []
+        # Second moments of the rows this writer flushes; rows complete before it started are
+        # read back on close instead (statistics.py: why that never double-counts).
+        self.statistics = RowStatistics.empty(layout_blocks(self.meta), width)
+        self._done_before = self.done.copy()
 
     @property
     def todo(self) -> np.ndarray:
@@ -154,6 +159,17 @@ class IndexWriter:
             self._set(name, where, np.asarray(values, dtype=ROW_ARRAYS[name][0]))
         self._set("complete", where, np.ones(len(order), dtype=bool))
         self.done[order] = True
+        keep = counted(np.asarray(columns[4]), np.asarray(columns[2]))
+        self.statistics.add(decode(block[keep], self.storage_dtype))
+
+    def _statistics_before(self) -> RowStatistics:
+        """Statistics of the rows that were complete before this writer started, read from disk."""
+        stats = RowStatistics.empty(layout_blocks(self.meta), self.width)
+        for lo in np.unique(np.flatnonzero(self._done_before) // self.chunk * self.chunk):
+            hi = min(lo + self.chunk, self.num_rows)
+            keep = self._done_before[lo:hi] & counted(self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi])
+            stats.add(decode(self.group["grads"][lo:hi][keep], self.storage_dtype))
+        return stats
 
     def _set(self, name: str, where: slice | np.ndarray, values: np.ndarray) -> None:
         array = self.group[name]
@@ -163,9 +179,10 @@ class IndexWriter:
             array.oindex[where] = values
 
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
-        """Flush every buffered row; mark the index complete when every row is. Returns that flag."""
+        """Flush every buffered row, store the row statistics; mark the index complete when every row is. Returns that flag."""
         for c in sorted(self._pending):
             self._flush(c)
         complete = bool(self.done.all())
+        (self.statistics + self._statistics_before()).save(self.group)
         self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
         return complete

@@ -23,7 +23,8 @@ import torch
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.index.layout import decode
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.topk import Ranking, prepare_queries, score_chunk
+from gradian_lightning.query.precondition import Preconditioner
+from gradian_lightning.query.topk import Ranking, check_settings, index_blocks, prepare_queries, score_chunk
 
 # Seconds to wait for a scheduler at query.dask_scheduler before saying it does not answer.
 CONNECT_TIMEOUT_S = 10
@@ -69,9 +70,11 @@ def check_workers_can_open(index: IndexReader) -> None:
         )
 
 
-def _score_block(block: np.ndarray, queries: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str, storage_dtype: str) -> np.ndarray:
+def _score_block(
+    block: np.ndarray, queries: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str, storage_dtype: str, transform: Optional[Preconditioner]
+) -> np.ndarray:
     # Runs on a worker: one stored chunk [c, D] -> its scores [c, Q] (rows along axis 0, as grads).
-    return score_chunk(queries, decode(block, storage_dtype), blocks, score, normalize).T.numpy()
+    return score_chunk(queries, decode(block, storage_dtype), blocks, score, normalize, transform).T.numpy()
 
 
 def dask_topk(
@@ -83,10 +86,14 @@ def dask_topk(
     normalize: str = "module",
     scheduler: Optional[str] = None,
     client: Optional[Any] = None,
+    precondition: str = "none",
+    damping: float = 0.1,
 ) -> tuple[Ranking, Optional[Ranking]]:
     """`streaming_topk`'s answer, computed on a Dask cluster: (top, bottom or None), `Ranking`s on the CPU.
 
-    `query_rows` [Q, D] float32; `score`, `normalize`, `k`, `bottom_k` as in `streaming_topk`.
+    `query_rows` [Q, D] float32 made at the weights of `index`'s checkpoint (one checkpoint: its
+    newest, or the one `IndexReader.at` chose); `score`, `normalize`, `k`, `bottom_k`,
+    `precondition` and `damping` as in `streaming_topk`.
     Runs on `client` (a `distributed.Client`) when given, else on the scheduler at `scheduler`, else
     on a `distributed.LocalCluster` started for this call.
     Rows that are unwritten, non-finite or have no supervised token are never ranked.
@@ -96,12 +103,14 @@ def dask_topk(
     import dask.array as da
 
     check_workers_can_open(index)
-    queries, blocks = prepare_queries(index, query_rows.cpu(), k, score, bottom_k, normalize, "cpu")
+    check_settings(k, bottom_k, score, normalize, precondition)
+    queries, transform = prepare_queries(index, query_rows.cpu(), score, normalize, "cpu", precondition, damping)
+    blocks = index_blocks(index)
     group = index.group
     grads = da.from_zarr(index.grads)  # blocks are the stored chunks: [c, D], one read each
     rows = grads.chunks[0]
     scores = grads.map_blocks(
-        _score_block, queries, blocks, score, normalize, index.storage_dtype, dtype=np.float32, chunks=(rows, (len(queries),)), meta=np.empty((0, 0), np.float32)
+        _score_block, queries, blocks, score, normalize, index.storage_dtype, transform, dtype=np.float32, chunks=(rows, (len(queries),)), meta=np.empty((0, 0), np.float32)
     )
     rankable = (da.from_zarr(group["complete"]) & da.from_zarr(group["finite"]) & (da.from_zarr(group["supervised_tokens"]) > 0)).rechunk((rows,))
     n = len(index)

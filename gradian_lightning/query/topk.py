@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from gradian_lightning.config import NORMALIZE, SCORES
+from gradian_lightning.config import NORMALIZE, PRECONDITIONS, SCORES
 from gradian_lightning.errors import ConfigError, IndexMismatchError
+from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.precondition import Preconditioner, preconditioner
 
 
 @dataclass
@@ -58,39 +61,59 @@ def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch
     return rows
 
 
-def prepare_queries(
-    index: IndexReader, query_rows: torch.Tensor, k: int, score: str, bottom_k: int, normalize: str, device: Optional[torch.device | str] = None
-) -> tuple[torch.Tensor, Sequence[Dict[str, Any]]]:
-    """Check the query settings and scale the query rows as `score`/`normalize` say, once per query.
-
-    Returns (queries [Q, D] float32 on `device` (default: the rows' device), the index's module
-    blocks). Raises `ConfigError` for a bad setting, `IndexMismatchError` for rows of another width.
-    """
+def check_settings(k: int, bottom_k: int, score: str, normalize: str, precondition: str = "none") -> None:
+    """Raise `ConfigError`, one line naming the setting, for a scoring setting no engine accepts."""
     if score not in SCORES:
         raise ConfigError(f"setting 'query.score'={score!r} is not allowed; use {' or '.join(SCORES)}")
     if normalize not in NORMALIZE:
         raise ConfigError(f"setting 'query.normalize'={normalize!r} is not allowed; use {' or '.join(NORMALIZE)}")
+    if precondition not in PRECONDITIONS:
+        raise ConfigError(f"setting 'query.precondition'={precondition!r} is not allowed; use {' or '.join(PRECONDITIONS)}")
     if k < 1 or bottom_k < 0:
         raise ConfigError(f"top_k={k}, bottom_k={bottom_k}: use top_k >= 1 and bottom_k >= 0")
+
+
+def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
+    """The index's module blocks ({"offset", "size"} each); an index written without a module layout
+    (by IndexWriter directly) is one block: the row."""
+    return index.meta.get("modules") or [{"offset": 0, "size": int(index.meta["width"])}]
+
+
+def prepare_queries(
+    index: IndexReader, query_rows: torch.Tensor, score: str, normalize: str, device: Optional[torch.device | str] = None, precondition: str = "none", damping: float = 0.1
+) -> Tuple[torch.Tensor, Optional[Preconditioner]]:
+    """Query rows scaled once as `score_chunk` treats a chunk of `index`: preconditioned, then normalised.
+
+    Returns (queries [Q, D] float32 on `device` (default: the rows' device), the preconditioner or
+    None). Raises `IndexMismatchError` for rows of another width.
+    """
     width = int(index.meta["width"])
     if query_rows.dim() != 2 or query_rows.shape[1] != width:
         raise IndexMismatchError(f"query rows have shape {tuple(query_rows.shape)} but the index at {str(index.path)!r} holds rows of width {width}; compute them with query_gradients on this index")
     device = torch.device(device) if device is not None else query_rows.device
     queries = query_rows.detach().to(device=device, dtype=torch.float32)
-    # An index written without a module layout (by IndexWriter directly) is one block: the row.
-    blocks = index.meta.get("modules") or [{"offset": 0, "size": width}]
+    transform = preconditioner(index, precondition, damping)
+    if transform is not None:
+        transform = transform.to(device)
+        queries = transform(queries)
     if score == "cosine" and normalize == "module":
+        blocks = index_blocks(index)
         queries = _unit_modules(queries.clone(), blocks) / len(blocks)  # / M: scores are a mean of cosines
     elif score == "cosine":
         queries = _unit(queries)
-    return queries, blocks
+    return queries, transform
 
 
-def score_chunk(queries: torch.Tensor, rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str) -> torch.Tensor:
+def score_chunk(
+    queries: torch.Tensor, rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str, transform: Optional[Preconditioner] = None
+) -> torch.Tensor:
     """Scores [Q, c] float32 of a chunk of decoded rows [c, D] against `prepare_queries` output [Q, D].
 
     `rows` must be a fresh tensor (a decoded chunk): per-module cosine normalises it in place.
+    Both engines, local and Dask, score with this one function.
     """
+    if transform is not None:
+        rows = transform(rows)
     by_module = score == "cosine" and normalize == "module"
     if by_module:
         rows = _unit_modules(rows, blocks)
@@ -102,38 +125,65 @@ def score_chunk(queries: torch.Tensor, rows: torch.Tensor, blocks: Sequence[Dict
 
 def streaming_topk(
     index: IndexReader,
-    query_rows: torch.Tensor,
+    query_rows: torch.Tensor | Dict[int, torch.Tensor],
     k: int,
     score: str = "cosine",
     bottom_k: int = 0,
     device: Optional[torch.device | str] = None,
     normalize: str = "module",
+    precondition: str = "none",
+    damping: float = 0.1,
+    checkpoints: Any = "all",
 ) -> tuple[Ranking, Optional[Ranking]]:
     """Top-k (and, when `bottom_k` > 0, bottom-k: most negative first) rows of `index` per query.
 
-    `query_rows` [Q, D] float32. `score`: "cosine" or "inner" (raw dot product). For cosine,
-    `normalize` says what is scaled to unit norm: "module" (default) each module's block of a row,
-    so the score is the mean over modules of the per-module cosines and a module with large
-    gradients cannot outvote the rest (benchmarks/RANKING.md: mean MRR 0.42 -> 0.55 over 12
-    planted-source sets); "row" the whole row, as in LESS/TrackStar. Each chunk is scored as one
-    float32 matmul on `device` (default: the queries' device). Returns (top, bottom or None).
+    `query_rows` [Q, D] float32 made at the index's checkpoint (its newest), or a dict
+    {checkpoint step: [Q, D]} with the rows made at each checkpoint's weights. `score`: "cosine"
+    or "inner" (raw dot product). For cosine, `normalize` says what is scaled to unit norm:
+    "module" (default) each module's block of a row, so the score is the mean over modules of
+    the per-module cosines and a module with large gradients cannot outvote the rest
+    (benchmarks/RANKING.md: mean MRR 0.42 -> 0.55 over 12 planted-source sets); "row" the whole
+    row, as in LESS/TrackStar. `precondition` ("none", "diag", "fisher", with `damping` relative to
+    the mean eigenvalue; query/precondition.py) is applied to query and training rows first.
+    `checkpoints` ("all", "last" or a list of steps; only with a dict of rows) says which
+    checkpoints' scores are summed, weighted by their learning rates (index/checkpoints.py);
+    "all" is the default because summing checkpoints measured best (benchmarks/RANKING.md).
+    Each chunk is scored as one float32 matmul per checkpoint on `device` (default: the
+    queries' device). Returns (top, bottom or None).
     """
-    queries, blocks = prepare_queries(index, query_rows, k, score, bottom_k, normalize, device)
-    device = queries.device
-    empty = Ranking(torch.empty(len(queries), 0, dtype=torch.long, device=device), torch.empty(len(queries), 0, device=device))
+    check_settings(k, bottom_k, score, normalize, precondition)
+    if isinstance(query_rows, torch.Tensor):
+        chosen = [(index, query_rows, 1.0)]
+    else:
+        chosen = []
+        for entry, weight in checkpoint_weights(index.checkpoints, checkpoints):
+            step = int(entry["step"])
+            if step not in query_rows:
+                raise IndexMismatchError(f"query rows were made at checkpoints {sorted(query_rows)} but query.checkpoints={checkpoints!r} needs step {step} of the index at {str(index.path)!r}; make query rows with each checkpoint's weights")
+            chosen.append((index if step == index.step else index.at(step), query_rows[step], weight))
+    first = next(iter(query_rows.values())) if isinstance(query_rows, dict) else query_rows
+    device = torch.device(device) if device is not None else first.device
+    parts = [(reader, *prepare_queries(reader, rows, score, normalize, device, precondition, damping), weight) for reader, rows, weight in chosen]
+    empty = Ranking(torch.empty(len(first), 0, dtype=torch.long, device=device), torch.empty(len(first), 0, device=device))
     top, bottom = empty, empty
-    for lo, rows in index.chunks():
-        keep = torch.from_numpy(index.rankable(lo, lo + len(rows)))
-        positions = torch.arange(lo, lo + len(keep))
-        if not bool(keep.all()):  # copying only when some rows must go keeps the common case one pass cheaper
-            if not bool(keep.any()):
-                continue
-            rows, positions = rows[keep], positions[keep]
-        rows, positions = rows.to(device), positions.to(device)
-        scores = score_chunk(queries, rows, blocks, score, normalize)  # [Q, c] float32
-        top = _merge(top, scores, positions, k, largest=True)
+    lead = parts[0][0]
+    for lo, rows in lead.chunks():
+        hi = lo + len(rows)
+        keep = torch.from_numpy(np.logical_and.reduce([reader.rankable(lo, hi) for reader, *_ in parts]))
+        positions = torch.arange(lo, hi)
+        if not bool(keep.any()):
+            continue
+        scores = None
+        for reader, queries, transform, weight in parts:
+            chunk = rows if reader is lead else reader.rows(slice(lo, hi))
+            if not bool(keep.all()):  # copying only when some rows must go keeps the common case one pass cheaper
+                chunk = chunk[keep]
+            part = score_chunk(queries, chunk.to(device), index_blocks(reader), score, normalize, transform)
+            scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
+        kept = positions[keep].to(device)
+        top = _merge(top, scores, kept, k, largest=True)
         if bottom_k:
-            bottom = _merge(bottom, scores, positions, bottom_k, largest=False)
+            bottom = _merge(bottom, scores, kept, bottom_k, largest=False)
     return top, (bottom if bottom_k else None)
 
 
@@ -141,15 +191,17 @@ class Index(IndexReader):
     """An index opened for querying: `IndexReader` (meta, rows, columns) plus `topk`."""
 
     def topk(
-        self, query_rows: torch.Tensor, k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None, normalize: str = "module"
+        self, query_rows: torch.Tensor | Dict[int, torch.Tensor], k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None,
+        normalize: str = "module", precondition: str = "none", damping: float = 0.1, checkpoints: Any = "all",
     ) -> Any:
         """The k best rows per query (`streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
 
         `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`; `score` is
-        "cosine" or "inner"; `normalize` ("module" or "row") is what cosine scales to unit norm.
-        The index is streamed chunk by chunk.
+        "cosine" or "inner"; `normalize` ("module" or "row") is what cosine scales to unit norm;
+        `precondition`, `damping` and `checkpoints` as in `streaming_topk`. The index is streamed
+        chunk by chunk.
         """
-        top, bottom = streaming_topk(self, query_rows, k, score, bottom_k, device, normalize)
+        top, bottom = streaming_topk(self, query_rows, k, score, bottom_k, device, normalize, precondition, damping, checkpoints)
         return (top, bottom) if bottom_k else top
 
 

@@ -62,20 +62,28 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
         "data": {"path": str(cfg.data.train), "sha256": file_sha256(cfg.data.train), "max_seq_length": cfg.grads.max_seq_length},
     }
     g = cfg.grads
+    checkpoints = list(cfg.model.checkpoints or [])
     indexer = GradientIndexer(
         cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, rows_per_chunk=cfg.index.rows_per_chunk,
-        loss_chunk_tokens=g.loss_chunk_tokens,
+        loss_chunk_tokens=g.loss_chunk_tokens, checkpoints=bool(checkpoints),
         verbose=False,  # the CLI prints the summary
     )
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
-    if announce is not None:
-        announce(format_index_start(len(dataset), index_layout(model, g, len(dataset)), g.storage_dtype, str(cfg.index.path)))
-    loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
-    trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
+    # model.checkpoints: one index, one checkpoint per saved model, keyed by its position in the list.
+    for step, name in enumerate(checkpoints or [cfg.model.name_or_path]):
+        model, tokenizer = load_model_and_tokenizer(OmegaConf.merge(cfg.model, {"name_or_path": name}))
+        dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
+        if announce is not None and trainer.is_global_zero:  # before the launch too: ranks > 0 know their rank
+            announce(format_index_start(len(dataset), index_layout(model, g, len(dataset)), g.storage_dtype, str(cfg.index.path)))
+        loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
+        indexer.step, indexer.summary = (step if checkpoints else None), None
+        if step:
+            trainer = make_trainer(cfg, [indexer])
+        trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
+        if not trainer.is_global_zero:
+            continue
+        if indexer.summary is None:
+            raise GradianError("indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)")
     if not trainer.is_global_zero:
         return None
-    if indexer.summary is None:
-        raise GradianError("indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)")
     return indexer.summary

@@ -15,6 +15,7 @@ import lightning as L
 from omegaconf import OmegaConf
 
 from gradian_lightning.config import require
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.hub import file_sha256, load_model_and_tokenizer
 from gradian_lightning.index.reader import IndexReader
@@ -50,6 +51,22 @@ def write_results(path: str | Path, results: Sequence[Dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in results))
 
 
+def _checkpoint_models(cfg: Any, index: Index, which: Any) -> List[tuple]:
+    """(checkpoint step, model name_or_path) for each checkpoint the query scores with."""
+    from gradian_lightning.index.checkpoints import checkpoint_weights
+
+    chosen = [int(e["step"]) for e, _ in checkpoint_weights(index.checkpoints, which)]
+    if chosen == [index.checkpoints[-1]["step"]] and not cfg.model.checkpoints:
+        return [(chosen[0], cfg.model.name_or_path)]
+    names = list(cfg.model.checkpoints or [])
+    if len(names) != len(index.checkpoints):
+        raise ConfigError(
+            f"setting 'query.checkpoints'={which!r} needs one saved model per checkpoint of the index at {str(index.path)!r} (steps {[e['step'] for e in index.checkpoints]}) in model.checkpoints, oldest first; it lists {len(names)}"
+        )
+    by_step = {int(e["step"]): name for e, name in zip(index.checkpoints, names)}
+    return [(step, by_step[step]) for step in chosen]
+
+
 def run_query(cfg: Any) -> Dict[str, Any]:
     """Answer `cfg.query.data` against the index at `cfg.index.path`; write `cfg.query.output` if set.
 
@@ -78,14 +95,28 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
     fabric = L.Fabric(**fabric_kwargs, devices=1)
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    check_matches_index(index, model, settings)
-    model.to(fabric.device)
-    rows = query_gradients(index, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data), loss_chunk_tokens=g.loss_chunk_tokens)
+    which = OmegaConf.to_object(cfg.query.checkpoints) if OmegaConf.is_config(cfg.query.checkpoints) else cfg.query.checkpoints
+    models = _checkpoint_models(cfg, index, which)
+    if client is not None and len(models) > 1:
+        raise ConfigError(
+            f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {len(models)} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
+        )
+    rows = {}
+    for step, name in models:
+        reader = index if step == index.step else index.at(step)
+        model, tokenizer = load_model_and_tokenizer(OmegaConf.merge(cfg.model, {"name_or_path": name}))
+        check_matches_index(reader, model, settings)
+        model.to(fabric.device)
+        rows[step] = query_gradients(
+            reader, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data), loss_chunk_tokens=g.loss_chunk_tokens
+        )
+    q = cfg.query
     if client is not None:
-        top, bottom = dask_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, cfg.query.normalize, client=client)
+        step, = rows
+        reader = index if step == index.step else index.at(step)
+        top, bottom = dask_topk(reader, rows[step], q.top_k, q.score, q.bottom_k, q.normalize, client=client, precondition=q.precondition, damping=q.damping)
     else:
-        top, bottom = streaming_topk(index, rows, cfg.query.top_k, cfg.query.score, cfg.query.bottom_k, device=fabric.device, normalize=cfg.query.normalize)
+        top, bottom = streaming_topk(index, rows, q.top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which)
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     if cfg.query.output:

@@ -9,6 +9,8 @@ to score the ranking afterwards (recall@k), never to make it.
 
 from __future__ import annotations
 
+import copy
+import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Iterable, List
@@ -25,6 +27,9 @@ from gradian_lightning.recipes.query import results_for, write_results
 
 HERE = Path(__file__).parent
 TRAIN, QUERIES = HERE / "train.jsonl", HERE / "queries.jsonl"
+# The MLP modules: over 5 training runs (seeds, threads, float64) their checkpoint sum ranked
+# the planted source in the top 10 for >= 29 of 30 queries (benchmarks/RANKING.md, quickstart).
+MODULE_FILTER = ["gate_proj", "up_proj", "down_proj"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
@@ -81,38 +86,63 @@ def recall_at(results: List[Dict[str, Any]], sources: List[str], k: int) -> floa
     return hits / len(sources)
 
 
-def run_quickstart(out_dir: str | Path = "runs/quickstart", epochs: int = 12, batch_size: int = 8, seed: int = 0, top_k: int = 10) -> Dict[str, Any]:
-    """Fine-tune on the bundled training rows, index them at the end of fitting, answer the queries.
+class WeightSnapshots(L.Callback):
+    """The model's weights at each validation run, by global step: a query needs each checkpoint's weights."""
 
-    Writes `out_dir/index` and `out_dir/results.jsonl` (the `gradian query` schema). Returns the
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.weights = model, {}
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights[int(trainer.global_step)] = copy.deepcopy(self.model.state_dict())
+
+
+def run_quickstart(
+    out_dir: str | Path = "runs/quickstart", epochs: int = 12, batch_size: int = 8, seed: int = 0, top_k: int = 10, dtype: str = "float32"
+) -> Dict[str, Any]:
+    """Fine-tune on the bundled training rows, index them at every epoch, answer the queries.
+
+    Writes `out_dir/index` (one checkpoint per epoch) and `out_dir/results.jsonl` (the `gradian
+    query` schema). Each query is scored at every checkpoint with that checkpoint's weights and
+    the scores are summed (TracIn-CP): the last checkpoint alone ranks well or badly depending on
+    the last bits of the CPU's kernels (benchmarks/RANKING.md, quickstart), the sum does not.
+    `dtype` ("float32" or "float64") is the model's, for checking exactly that. Returns the
     indexer's summary, the per-query results, the query and training rows, recall@1 and
-    recall@10 of the planted sources, and the model, tokenizer and index path.
+    recall@10 of the planted sources, and the (final) model, tokenizer and index path.
     """
     out_dir = Path(out_dir)
     L.seed_everything(seed, verbose=False)
     train_rows, query_rows = read_jsonl(TRAIN), read_jsonl(QUERIES)
     max_seq_length = 64
     tokenizer = word_tokenizer(r["prompt"] + r["completion"] for r in train_rows + query_rows)
-    model = tiny_llama(len(tokenizer), seed=seed)
+    model = tiny_llama(len(tokenizer), seed=seed).to(getattr(torch, dtype))
     dataset = JsonlDataset(train_rows, tokenizer, max_seq_length, source=str(TRAIN))
     batches = partial(collate, pad_token_id=tokenizer.pad_token_id)
     shuffled = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=batches)
     in_order = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=batches)
-    # Validation runs once, after the last epoch: that is when the index is written.
+    # A fresh index each run: checkpoints of an earlier run at other steps must not be summed in.
+    if (out_dir / "index").exists():
+        shutil.rmtree(out_dir / "index")
+    # Validation runs after every epoch: each run adds one checkpoint to the index.
     indexer = GradientIndexer(
-        out_dir / "index", module_filter=["down_proj", "o_proj"], projection_dim=16, storage_dtype="float16", seed=seed, overwrite=True,
+        out_dir / "index", module_filter=MODULE_FILTER, projection_dim=16, storage_dtype="float16", seed=seed, overwrite=True, checkpoints=True,
         meta={"data": {"path": str(TRAIN), "max_seq_length": max_seq_length}}, verbose=False,
     )
+    snapshots = WeightSnapshots(model)
     trainer = L.Trainer(
-        max_epochs=epochs, check_val_every_n_epoch=epochs, num_sanity_val_steps=0, accelerator="cpu", devices=1,
-        logger=False, enable_checkpointing=False, enable_model_summary=False, callbacks=[indexer], default_root_dir=out_dir,
+        max_epochs=epochs, check_val_every_n_epoch=1, num_sanity_val_steps=0, accelerator="cpu", devices=1,
+        logger=False, enable_checkpointing=False, enable_model_summary=False, callbacks=[indexer, snapshots], default_root_dir=out_dir,
     )
     trainer.fit(FineTune(model), train_dataloaders=shuffled, val_dataloaders=in_order)
     index = open_index(out_dir / "index")
     # Only prompt and completion go in: the query's `source` column is the answer key.
     asked = [{"id": q["id"], "prompt": q["prompt"], "completion": q["completion"]} for q in query_rows]
-    rows = query_gradients(index, model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES))
-    results = results_for(index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine"))
+    final = copy.deepcopy(model.state_dict())
+    rows = {}
+    for entry in index.checkpoints:
+        model.load_state_dict(snapshots.weights[int(entry["step"])])
+        rows[int(entry["step"])] = query_gradients(index.at(int(entry["step"])), model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES))
+    model.load_state_dict(final)
+    results = results_for(index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine", checkpoints="all"))
     write_results(out_dir / "results.jsonl", results)
     sources = [q["source"] for q in query_rows]
     return {

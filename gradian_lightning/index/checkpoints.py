@@ -1,0 +1,101 @@
+"""Several checkpoints of one model in one index (TracIn-CP / LESS: scores summed over checkpoints).
+
+    index.path/                        root zarr group; attribute "gradian" = the newest checkpoint's
+                                       metadata plus "checkpoints": [{"step", "lr", "group", "complete"}]
+                                       sorted by step (lr: the learning rate at that step, or None)
+      checkpoints/step-<step>/         one checkpoint: exactly the layout of a one-checkpoint index
+                                       (layout.py), with its own rows and statistics/
+
+Plain zarr: `zarr.open_group(path)["checkpoints/step-120/grads"]`; the attribute lists the groups.
+An index without the "checkpoints" key (every index written before this file existed, and any
+index written without `checkpoints=True`) is its own single checkpoint at its `global_step`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION
+from gradian_lightning.index.location import Location
+
+GROUP = "checkpoints"
+
+
+def checkpoint_group(step: int) -> str:
+    """The group of checkpoint `step`, relative to the index root."""
+    return f"{GROUP}/step-{int(step)}"
+
+
+def checkpoint_entries(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The checkpoints of an index, oldest first; a one-checkpoint index is one entry with group ""."""
+    if "checkpoints" in meta:
+        return [dict(e) for e in meta["checkpoints"]]
+    return [{"step": int(meta.get("global_step") or 0), "lr": meta.get("lr"), "group": "", "complete": bool(meta.get("complete"))}]
+
+
+def register_checkpoint(root: str | Path, step: int, lr: Optional[float], meta: Dict[str, Any], complete: bool, overwrite: bool = False) -> str:
+    """Create or update the root of a checkpointed index and list checkpoint `step` in it; returns its path.
+
+    `meta` is the checkpoint's metadata (the root attribute mirrors the newest checkpoint's, so
+    `open_index(root).meta` describes the rows a query must match). A root that holds a
+    one-checkpoint index or something else is replaced only with `overwrite`.
+    """
+    root = Location(root)  # a local directory or an fsspec URL
+    old = _root_meta(root)
+    if root.exists() and (old is None or "checkpoints" not in old or _rows_layout(old) != _rows_layout(meta)):
+        if not overwrite:
+            what = "a Gradian index of another configuration" if old is not None and "checkpoints" in old else (
+                "a one-checkpoint Gradian index" if old is not None else "something that is not a Gradian index")
+            raise ConfigError(f"index.path {str(root)!r} holds {what}, not checkpoints of this job; choose another index.path or pass index.overwrite=true to replace it")
+        root.remove()
+        old = None
+    group = root.open_group("a")
+    group.require_group(GROUP)
+    entries = [e for e in (old or {}).get("checkpoints", []) if int(e["step"]) != int(step)]
+    entries.append({"step": int(step), "lr": lr, "group": checkpoint_group(step), "complete": bool(complete)})
+    entries.sort(key=lambda e: e["step"])
+    newest = meta if int(step) >= entries[-1]["step"] else dict((old or meta))
+    group.attrs[ATTRIBUTE] = {**newest, "format_version": FORMAT_VERSION, "checkpoints": entries, "complete": all(e["complete"] for e in entries)}
+    return f"{str(root).rstrip('/')}/{checkpoint_group(step)}"
+
+
+def _rows_layout(meta: Dict[str, Any]) -> Tuple[Any, ...]:
+    # What every checkpoint of one index shares; the model's name may differ (a base and its fine-tune).
+    return tuple(repr(meta.get(key)) for key in ("modules", "projection", "storage_dtype", "num_rows", "width", "data"))
+
+
+def _root_meta(root: Location) -> Optional[Dict[str, Any]]:
+    try:
+        return dict(root.open_group("r").attrs[ATTRIBUTE])
+    except Exception:
+        return None
+
+
+def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tuple[Dict[str, Any], float]]:
+    """The checkpoints a query scores with, and their weights.
+
+    `which`: "last" (the newest checkpoint, weight 1), "all", or a list of steps. With more than
+    one, each checkpoint's scores are weighted by its learning rate as in TracIn-CP and LESS, or
+    equally when any of them has no recorded learning rate (an index built from saved models).
+    The weights are scaled to sum to 1 (the ranking is the same; a cosine score stays in [-1, 1]).
+    """
+    by_step = {int(e["step"]): e for e in entries}
+    if which == "last":
+        chosen = [entries[-1]]
+    elif which == "all":
+        chosen = list(entries)
+    else:
+        steps = [int(s) for s in (which if isinstance(which, (list, tuple)) else [which])]
+        missing = [s for s in steps if s not in by_step]
+        if missing or not steps:
+            raise ConfigError(f"setting 'query.checkpoints'={which!r} names steps {missing} that the index does not hold; use last, all, or a list of its steps {sorted(by_step)}")
+        chosen = [by_step[s] for s in steps]
+    if len(chosen) == 1:
+        return [(chosen[0], 1.0)]
+    lrs = [e.get("lr") for e in chosen]
+    if any(lr is None for lr in lrs) or sum(float(lr) for lr in lrs) <= 0:
+        return [(e, 1.0 / len(chosen)) for e in chosen]
+    total = sum(float(lr) for lr in lrs)
+    return [(e, float(lr) / total) for e, lr in zip(chosen, lrs)]

@@ -1,0 +1,106 @@
+"""Second moments of an index's stored rows, gathered by the writer in the same pass as the rows.
+
+    index.path/statistics/           zarr group, attribute "rows" = rows counted
+      sumsq   [D] f64                Σ_rows r_j²: per-coordinate sums of squares
+      gram    [M, s, s] f64          Σ_rows R_mᵀR_m per module block m of size s = k² (present only
+                                     when every block has one size s <= GRAM_MAX_SIZE)
+      eigvals [M, s] f64, eigvecs [M, s, s] f64   the eigendecomposition of gram / rows, cached
+                                     once so that any `query.damping` costs one small matmul
+
+Counted rows are the stored values (decoded from the storage dtype, so a query preconditions
+exactly what it reads) of rows that are finite and have at least one supervised token.
+
+Why it is never double-counted after a resume: the writer sums, in memory, only the rows it
+flushes itself (a row already complete on disk is never flushed again), and on close adds the
+rows that were complete before it started, read back from disk. So the stored statistics are a
+function of the set of complete rows, whatever sessions wrote them. Ranks never double-count
+either: their rows are gathered to the one writer on rank 0. Statistics are plain sums, so two
+row sets' statistics merge with `+`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import zarr
+
+# gram is s² float64 per module: 8 MiB per module at k = 32 (s = 1024). Beyond that (k = 64:
+# 128 MiB per module) only the per-coordinate sums are kept, and `fisher` is not available.
+GRAM_MAX_SIZE = 1024
+GROUP = "statistics"
+
+
+def gram_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[int]:
+    """The common block size s when the k²×k² second moments are kept, else None."""
+    sizes = {int(b["size"]) for b in blocks}
+    if len(sizes) != 1 or sum(int(b["size"]) for b in blocks) != width:
+        return None
+    size = sizes.pop()
+    return size if size <= GRAM_MAX_SIZE else None
+
+
+def layout_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The module blocks of an index's rows; an index written without a module layout is one block."""
+    return list(meta.get("modules") or [{"name": "row", "offset": 0, "size": int(meta["width"])}])
+
+
+@dataclass
+class RowStatistics:
+    """Sums over counted rows. `count` rows; `sumsq` float64 [D]; `gram` float64 [M, s, s] or None."""
+
+    count: int
+    sumsq: np.ndarray
+    gram: Optional[np.ndarray]
+
+    @classmethod
+    def empty(cls, blocks: Sequence[Dict[str, Any]], width: int) -> "RowStatistics":
+        size = gram_block_size(blocks, width)
+        gram = np.zeros((len(blocks), size, size)) if size is not None else None
+        return cls(0, np.zeros(width), gram)
+
+    def add(self, rows: torch.Tensor) -> None:
+        """Add rows [n, D] (the counted ones only: the caller drops empty and non-finite rows)."""
+        if len(rows) == 0:
+            return
+        rows = rows.detach().to(torch.float64)
+        self.count += len(rows)
+        self.sumsq += rows.square().sum(dim=0).numpy()
+        if self.gram is not None:
+            view = rows.view(len(rows), self.gram.shape[0], self.gram.shape[1])
+            self.gram += torch.einsum("nmi,nmj->mij", view, view).numpy()
+
+    def __add__(self, other: "RowStatistics") -> "RowStatistics":
+        gram = None if self.gram is None or other.gram is None else self.gram + other.gram
+        return RowStatistics(self.count + other.count, self.sumsq + other.sumsq, gram)
+
+    def save(self, group: zarr.Group) -> None:
+        """Write (or replace) the `statistics` subgroup of an index group opened for writing."""
+        stats = group.require_group(GROUP)
+        for name in list(stats.array_keys()):
+            del stats[name]
+        stats.create_array("sumsq", data=self.sumsq)
+        if self.gram is not None:
+            stats.create_array("gram", data=self.gram)
+            # The eigendecomposition of the mean second moment, once per index: a query's
+            # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
+            w, v = np.linalg.eigh(self.gram / max(self.count, 1))
+            stats.create_array("eigvals", data=np.clip(w, 0.0, None))
+            stats.create_array("eigvecs", data=v)
+        stats.attrs["rows"] = int(self.count)
+
+    @classmethod
+    def load(cls, group: zarr.Group) -> Optional["RowStatistics"]:
+        """The statistics stored in an index group, or None when it has none (written before they existed)."""
+        if GROUP not in group.group_keys():
+            return None
+        stats = group[GROUP]
+        gram = stats["gram"][:] if "gram" in stats.array_keys() else None
+        return cls(int(stats.attrs["rows"]), stats["sumsq"][:], gram)
+
+
+def counted(finite: np.ndarray, supervised: np.ndarray) -> np.ndarray:
+    """Bool mask of rows that enter the statistics: finite gradient, at least one supervised token."""
+    return np.asarray(finite, dtype=bool) & (np.asarray(supervised) > 0)

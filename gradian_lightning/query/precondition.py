@@ -1,0 +1,96 @@
+"""Preconditioners from an index's row statistics (index/statistics.py), applied to query and
+training rows alike before they are scored.
+
+    none    rows as stored
+    diag    each coordinate j divided by sqrt(m_j + λ), m_j its mean square over the training rows
+    fisher  each module block R_m multiplied by (F_m + λI)^-½, F_m = mean of R_mᵀR_m (k²×k²)
+
+λ = `damping` × the mean eigenvalue of that module's second moment (for diag: the mean of its
+m_j). Whitening both sides makes the inner product qᵀ(F + λI)⁻¹r, and per-module cosine then
+compares directions in the whitened metric. A damping of 0, or a module with fewer counted rows
+than k² (F singular), is warned about; damping 0 falls back to DAMPING_FLOOR so that no
+direction the training rows never visited divides by zero. A module whose rows are all zero is
+left as it is. The result is always finite for finite input.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import numpy as np
+import torch
+
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.index.statistics import GRAM_MAX_SIZE, GROUP, layout_blocks
+
+# λ relative to the mean eigenvalue when the setting is 0: small enough to keep the whitening,
+# large enough that float32 rows times (w + λ)^-½ cannot overflow.
+DAMPING_FLOOR = 1e-3
+
+
+class Preconditioner:
+    """Rows [n, D] float32 -> preconditioned rows [n, D] float32 (a new tensor)."""
+
+    def __init__(self, scale: Optional[torch.Tensor] = None, factors: Optional[torch.Tensor] = None) -> None:
+        self.scale, self.factors = scale, factors  # [D] / [M, s, s] float32
+
+    def to(self, device: torch.device) -> "Preconditioner":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Preconditioner(move(self.scale), move(self.factors))
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            return rows * self.scale
+        m, s = self.factors.shape[0], self.factors.shape[1]
+        # (F + λI)^-½ is symmetric, so right-multiplying each block row applies it.
+        return torch.einsum("nmi,mij->nmj", rows.reshape(len(rows), m, s), self.factors).reshape(len(rows), m * s)
+
+
+def _damping(damping: float) -> float:
+    if damping < 0:
+        raise ConfigError(f"setting 'query.damping'={damping!r} is not allowed; use a number >= 0 (relative to the mean eigenvalue; 0.1 is the default)")
+    if damping == 0:
+        warnings.warn(f"query.damping=0 would divide by directions the training rows never visited; using {DAMPING_FLOOR} × the mean eigenvalue", stacklevel=3)
+        return DAMPING_FLOOR
+    return damping
+
+
+def preconditioner(index: IndexReader, precondition: str, damping: float) -> Optional[Preconditioner]:
+    """The preconditioner of `index` (at its checkpoint) for `precondition` ("none": None), on the CPU."""
+    if precondition == "none":
+        return None
+    damping = _damping(damping)
+    stats = index.statistics()
+    blocks = layout_blocks(index.meta)
+    if stats.count == 0:
+        warnings.warn(f"the index at {str(index.path)!r} has no counted rows to precondition with; query.precondition={precondition} is skipped", stacklevel=2)
+        return None
+    if precondition == "diag":
+        mean_sq = torch.from_numpy(stats.sumsq / stats.count)
+        scale = torch.ones_like(mean_sq)
+        for b in blocks:
+            part = mean_sq[int(b["offset"]) : int(b["offset"]) + int(b["size"])]
+            level = float(part.mean())
+            if level > 0:
+                scale[int(b["offset"]) : int(b["offset"]) + int(b["size"])] = (part + damping * level).rsqrt()
+        return Preconditioner(scale=scale.float())
+    if stats.gram is None:
+        raise ConfigError(
+            f"setting 'query.precondition'=fisher needs module blocks of equal size at most {GRAM_MAX_SIZE} (grads.projection_dim <= 32) but the index at {str(index.path)!r} has none; use query.precondition=diag"
+        )
+    size = stats.gram.shape[1]
+    if stats.count < size:
+        warnings.warn(f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {size}: its second moment is rank-deficient and the damping sets the unseen directions", stacklevel=2)
+    group = index.group[GROUP] if GROUP in index.group.group_keys() else None
+    if group is not None and "eigvecs" in group.array_keys():  # cached by the writer
+        w, v = group["eigvals"][:], group["eigvecs"][:]
+    else:
+        w, v = np.linalg.eigh(stats.gram / stats.count)
+        w = np.clip(w, 0.0, None)
+    level = w.mean(axis=1, keepdims=True)  # [M, 1]
+    inv_sqrt = np.where(level > 0, 1.0 / np.sqrt(w + damping * np.where(level > 0, level, 1.0)), 1.0)
+    factors = np.einsum("mij,mj,mkj->mik", v, inv_sqrt, v)
+    factors[level[:, 0] <= 0] = np.eye(size)  # an all-zero module: nothing to whiten
+    return Preconditioner(factors=torch.from_numpy(factors).float())

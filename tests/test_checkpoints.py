@@ -1,0 +1,141 @@
+"""Several checkpoints in one index: built during fit, read with plain zarr, scores summed by LR."""
+
+import copy
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from gradian_lightning import GradientIndexer, open_index, query_gradients
+from gradian_lightning.errors import ConfigError, IndexMismatchError
+
+from test_callback import FineTune, loader, trainer
+
+
+class DecayingFineTune(FineTune):
+    """Learning rate halves every step, so each checkpoint has its own weight."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), "interval": "step"}}
+
+
+class Snapshots(L.Callback):
+    """The model's weights at each validation run, by global step (what a query needs per checkpoint)."""
+
+    def __init__(self):
+        self.weights = {}
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.weights[trainer.global_step] = copy.deepcopy(pl_module.model.state_dict())
+
+
+@pytest.fixture
+def dataset(tokenizer, rows):
+    from gradian_lightning.data import JsonlDataset
+
+    return JsonlDataset(rows, tokenizer, 64)
+
+
+def fit(tmp_path, model, dataset, **indexer_kwargs):
+    indexer = GradientIndexer(tmp_path / "ix", module_filter=["down_proj", "o_proj"], projection_dim=4, storage_dtype="float32", checkpoints=True, **indexer_kwargs)
+    snapshots = Snapshots()
+    t = trainer(tmp_path, [indexer, snapshots], max_epochs=3, num_sanity_val_steps=0)
+    t.fit(DecayingFineTune(model), train_dataloaders=loader(dataset, 4), val_dataloaders=loader(dataset))
+    return snapshots.weights
+
+
+def query_rows_at(index, model, tokenizer, rows, weights):
+    out = {}
+    for step, state in weights.items():
+        model.load_state_dict(state)
+        out[step] = query_gradients(index.at(step), model, tokenizer, rows)
+    return out
+
+
+def test_checkpoint_sum_equals_lr_weighted_single_checkpoint_scores(tmp_path, model, tokenizer, dataset, rows):
+    weights = fit(tmp_path, model, dataset)
+    index = open_index(tmp_path / "ix")
+    steps = [e["step"] for e in index.checkpoints]
+    assert steps == sorted(weights) and len(steps) == 3 and index.step == steps[-1]
+    lrs = [e["lr"] for e in index.checkpoints]
+    assert len(set(lrs)) == 3 and all(e["complete"] for e in index.checkpoints)
+    group = zarr.open_group(str(tmp_path / "ix"), mode="r")  # plain zarr shows where each checkpoint lives
+    for e in index.checkpoints:
+        assert group[e["group"]]["grads"].shape == (len(dataset), index.meta["width"])
+    queries = query_rows_at(index, model, tokenizer, rows[:3], weights)
+    n = len(index)
+    for precondition in ("none", "diag"):
+        dense = sum(
+            lr / sum(lrs) * _all_scores(index.at(step).topk(queries[step], k=n, precondition=precondition), n)
+            for step, lr in zip(steps, lrs)
+        )
+        together = _all_scores(index.topk(queries, k=n, checkpoints="all", precondition=precondition), n)
+        np.testing.assert_allclose(together, dense, rtol=1e-5, atol=1e-6)
+        two = _all_scores(index.topk(queries, k=n, checkpoints=steps[:2], precondition=precondition), n)
+        np.testing.assert_allclose(two, sum(lr / sum(lrs[:2]) * _all_scores(index.at(s).topk(queries[s], k=n, precondition=precondition), n) for s, lr in zip(steps[:2], lrs[:2])), rtol=1e-5, atol=1e-6)
+    last = _all_scores(index.topk(queries, k=n, checkpoints="last"), n)
+    np.testing.assert_allclose(last, _all_scores(index.topk(queries[steps[-1]], k=n), n), rtol=1e-6)
+    with pytest.raises(ConfigError, match="query.checkpoints"):
+        index.topk(queries, k=2, checkpoints=[12345])
+    with pytest.raises(IndexMismatchError, match="checkpoints"):
+        index.topk({steps[0]: queries[steps[0]]}, k=2, checkpoints="all")
+
+
+def _all_scores(top, n):
+    out = torch.zeros(len(top.indices), n, dtype=torch.float64)
+    out.scatter_(1, top.indices, top.scores.double())
+    return out.numpy()
+
+
+def test_every_n_val_runs_and_a_one_checkpoint_index(tmp_path, model, tokenizer, dataset, rows):
+    weights = fit(tmp_path, model, dataset, every_n_val_runs=2)
+    index = open_index(tmp_path / "ix")
+    assert len(index.checkpoints) == 1 and index.step == sorted(weights)[1]  # runs 2 only (of 3)
+    # an index written without checkpoints (every index before them) is its own single checkpoint
+    plain = GradientIndexer(tmp_path / "plain", module_filter="down_proj", projection_dim=4, storage_dtype="float32")
+    with pytest.raises(ConfigError, match="every_n_val_runs"):
+        GradientIndexer(tmp_path / "x", every_n_val_runs=0)
+    trainer(tmp_path, [plain]).validate(FineTune(model), dataloaders=loader(dataset))
+    one = open_index(tmp_path / "plain")
+    assert [e["group"] for e in one.checkpoints] == [""] and one.at(one.step).meta == one.meta
+    q = query_gradients(one, model, tokenizer, rows[:2])
+    np.testing.assert_allclose(_all_scores(one.topk({one.step: q}, k=len(one), checkpoints="all"), len(one)), _all_scores(one.topk(q, k=len(one)), len(one)))
+    with pytest.raises(ConfigError, match="one-checkpoint"):
+        t = trainer(tmp_path, [GradientIndexer(tmp_path / "plain", module_filter="down_proj", projection_dim=4, storage_dtype="float32", checkpoints=True)])
+        t.validate(FineTune(model), dataloaders=loader(dataset))
+
+
+def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, tokenizer, rows, saved_model):
+    from conftest import make_model, write_jsonl
+    from gradian_lightning.cli import main
+
+    tuned = tmp_path / "tuned"
+    make_model(len(tokenizer), seed=1).save_pretrained(tuned)
+    tokenizer.save_pretrained(tuned)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    queries = write_jsonl(tmp_path / "queries.jsonl", rows[:2])
+    common = ["configs/smollm2.yaml", f"model.name_or_path={tuned}", f"model.checkpoints=[{saved_model},{tuned}]", f"index.path={tmp_path / 'ix'}",
+              "grads.storage_dtype=float32", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    assert main(["index", *common, f"data.train={data}"]) == 0
+    index = open_index(tmp_path / "ix")
+    assert [e["step"] for e in index.checkpoints] == [0, 1] and [e["lr"] for e in index.checkpoints] == [None, None]
+    assert index.at(0).meta["model"]["name_or_path"] == str(saved_model) and index.meta["model"]["name_or_path"] == str(tuned)
+    assert main(["query", *common, f"query.data={queries}", "query.checkpoints=all", f"query.output={tmp_path / 'all.jsonl'}", f"query.top_k={len(rows)}"]) == 0
+    import json
+
+    got = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    # no learning rates recorded: the two checkpoints' scores are averaged with equal weights
+    from transformers import AutoModelForCausalLM
+
+    per = []
+    for step, path in ((0, saved_model), (1, tuned)):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        q = query_gradients(index.at(step), model, tokenizer, rows[:2])
+        per.append(_all_scores(index.at(step).topk(q, k=len(rows)), len(rows)))
+    expected = (per[0] + per[1]) / 2
+    for qi, result in enumerate(got):
+        for r in result["results"]:
+            assert abs(r["score"] - expected[qi, r["index"]]) < 1e-4

@@ -1,0 +1,115 @@
+"""query.precondition: diag and fisher against a dense float64 computation; never NaN or inf."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from gradian_lightning import open_index
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.writer import IndexWriter
+
+N, S = 40, 9  # rows; block size k² with k = 3
+MODULES = [{"name": f"m{i}", "offset": i * S, "size": S} for i in range(3)]
+D = S * len(MODULES)
+META = {"fingerprint": "abc", "global_step": 0, "modules": MODULES}
+
+
+def make_index(path, rows, supervised=None):
+    writer = IndexWriter(path, len(rows), D, "float32", META)
+    supervised = torch.full((len(rows),), 2) if supervised is None else supervised
+    writer.write(range(len(rows)), rows, torch.ones(len(rows)), supervised, torch.zeros(len(rows)), [str(i) for i in range(len(rows))])
+    writer.close()
+    return open_index(path)
+
+
+def random_rows(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    # correlated coordinates with very different scales, so whitening changes the ranking
+    mix = torch.randn(D, D, generator=g) * torch.logspace(-2, 1, D)
+    return torch.randn(n, D, generator=g) @ mix
+
+
+def all_scores(index, queries, **kw):
+    top = index.topk(queries, k=len(index), **kw)
+    out = torch.empty(len(queries), len(index))
+    out.scatter_(1, top.indices, top.scores)
+    return out.double().numpy()
+
+
+def dense_metric(train, queries, how, damping):
+    """Per module, in float64 and with no square root: q A⁻¹ rᵀ, and the whitened squared norms q A⁻¹ q, r A⁻¹ r."""
+    t, q = train.double().numpy(), queries.double().numpy()
+    out = []
+    for b in MODULES:
+        tb, qb = t[:, b["offset"] : b["offset"] + S], q[:, b["offset"] : b["offset"] + S]
+        if how == "fisher":
+            f = tb.T @ tb / len(tb)
+            a = f + damping * np.trace(f) / S * np.eye(S)  # trace / S: the mean eigenvalue
+        else:
+            m = (tb**2).mean(0)
+            a = np.diag(m + damping * m.mean())
+        cross = qb @ np.linalg.solve(a, tb.T)
+        qq = np.einsum("qi,iq->q", qb, np.linalg.solve(a, qb.T))
+        tt = np.einsum("ni,in->n", tb, np.linalg.solve(a, tb.T))
+        out.append((cross, qq, tt))
+    return out
+
+
+@pytest.mark.parametrize("how", ["fisher", "diag"])
+def test_precondition_equals_dense_float64(tmp_path, how):
+    train, queries = random_rows(N, 0), random_rows(5, 1)
+    index = make_index(tmp_path / "ix", train)
+    metric = dense_metric(train, queries, how, 0.1)
+    inner = sum(cross for cross, _, _ in metric)
+    np.testing.assert_allclose(all_scores(index, queries, score="inner", precondition=how, damping=0.1), inner, rtol=2e-4, atol=1e-4 * np.abs(inner).max())
+    modcos = sum(cross / np.sqrt(qq[:, None] * tt[None, :]) for cross, qq, tt in metric) / len(MODULES)
+    np.testing.assert_allclose(all_scores(index, queries, precondition=how, damping=0.1), modcos, atol=2e-5)
+    # and it is not the identity: preconditioning changes these scores
+    assert np.abs(all_scores(index, queries) - modcos).max() > 0.05
+
+
+def test_fisher_inner_is_the_damped_inverse_second_moment(tmp_path):
+    train, queries = random_rows(N, 2), random_rows(3, 3)
+    index = make_index(tmp_path / "ix", train)
+    t, q = train.double().numpy(), queries.double().numpy()
+    expected = 0
+    for b in MODULES:
+        tb, qb = t[:, b["offset"] : b["offset"] + S], q[:, b["offset"] : b["offset"] + S]
+        f = tb.T @ tb / N
+        expected = expected + qb @ np.linalg.solve(f + 0.5 * np.trace(f) / S * np.eye(S), tb.T)
+    got = all_scores(index, queries, score="inner", precondition="fisher", damping=0.5)
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("how", ["none", "diag", "fisher"])
+@pytest.mark.parametrize("score", ["cosine", "inner"])
+def test_rows_of_zeros_never_give_nan(tmp_path, how, score):
+    zeros = torch.zeros(6, D)
+    index = make_index(tmp_path / "ix", zeros)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rank-deficiency is warned about; here only the numbers matter
+        got = all_scores(index, torch.zeros(2, D), score=score, precondition=how)
+    assert np.isfinite(got).all() and (got == 0).all()
+    # some zero rows among real ones, a zero query, damping 0 and fewer rows than k² (rank-deficient)
+    rows = random_rows(4, 4)
+    rows[1] = 0
+    index = make_index(tmp_path / "iy", rows)
+    queries = torch.cat([torch.zeros(1, D), random_rows(2, 5)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = all_scores(index, queries, score=score, precondition=how, damping=0.0)
+    assert np.isfinite(got).all()
+
+
+def test_damping_zero_and_rank_deficient_warn(tmp_path):
+    index = make_index(tmp_path / "ix", random_rows(4, 6))  # 4 rows < k² = 9
+    with pytest.warns(UserWarning, match="rank-deficient"):
+        index.topk(random_rows(1, 7), k=2, precondition="fisher")
+    with pytest.warns(UserWarning, match="damping=0"):
+        index.topk(random_rows(1, 7), k=2, precondition="diag", damping=0.0)
+    with pytest.raises(ConfigError, match="query.precondition"):
+        index.topk(random_rows(1, 7), k=2, precondition="adam")
+    with pytest.raises(ConfigError, match="query.damping"):
+        index.topk(random_rows(1, 7), k=2, precondition="fisher", damping=-1.0)
