@@ -22,6 +22,27 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SMOLLM2 = Path(os.environ.get("GRADIAN_SMOLLM2", Path.home() / ".cache" / "gradian" / "smollm2-135m-instruct"))
 
 
+def largest_fp32_vocab_tensor(vocab: int, parameters: set) -> Any:
+    """A torch dispatch mode recording, in `.nbytes`, the largest fp32 tensor made while it is active
+    whose last dimension is `vocab` (the loss's logit-sized tensors); storages in `parameters`
+    (data pointers of the weights and their views) are not counted."""
+    import torch
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestVocabTensor(TorchDispatchMode):
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() not in parameters:
+                    self.nbytes = max(self.nbytes, t.numel() * 4)
+            return result
+
+    return LargestVocabTensor()
+
+
 def machine() -> Dict[str, str]:
     """What the figures were measured on: cores, CPU model, RAM, date (UTC), versions."""
     cpu = platform.processor() or "unknown"

@@ -27,6 +27,7 @@ import time
 from typing import Any, Dict, List
 
 from benchmarks.common import (
+    largest_fp32_vocab_tensor,
     command_line, current_rss_bytes, emit, fmt_bytes, peak_rss_bytes, reset_peak_rss, run_child, synthetic_examples, table, tiny_llama, write_result,
 )
 
@@ -36,8 +37,6 @@ BATCHES, SEQ, FRACTION, CHUNKS = (1, 2, 4, 8), 256, 0.5, (128, 256)
 
 def child(args: argparse.Namespace) -> None:
     import torch
-    from torch.utils import _pytree as pytree
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from gradian_lightning.data import collate
     from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
@@ -57,18 +56,6 @@ def child(args: argparse.Namespace) -> None:
             out = supervised_token_loss(model, batch, chunk_tokens=chunk).sum()
         torch.autograd.grad(out, [target])
 
-    class LargestVocabTensor(TorchDispatchMode):
-        """Largest fp32 tensor whose last dimension is the vocabulary, bytes."""
-
-        nbytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            for t in pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() not in parameters:
-                    self.nbytes = max(self.nbytes, t.numel() * 4)
-            return result
-
     gc.collect()
     start = current_rss_bytes()
     reset_peak_rss()
@@ -79,7 +66,7 @@ def child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    with LargestVocabTensor() as probe:
+    with largest_fp32_vocab_tensor(vocab, parameters) as probe:
         run()
     emit({"peak": peak, "seconds": statistics.median(times), "vocab_tensor": probe.nbytes, "supervised": int(supervised_targets(batch["labels"]).sum())})
 

@@ -24,6 +24,7 @@ import gc
 from typing import Any, Dict, List
 
 from benchmarks.common import (
+    largest_fp32_vocab_tensor,
     command_line, current_rss_bytes, emit, fmt_bytes, load_model, peak_rss_bytes, reset_peak_rss, run_child, synthetic_examples, table, write_result,
 )
 
@@ -33,8 +34,6 @@ BATCHES, SEQS, FRACTIONS = (1, 2, 4, 8), (256, 512), (0.10, 0.25, 1.00)
 def child(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
-    from torch.utils import _pytree as pytree
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from gradian_lightning.data import collate
     from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
@@ -58,24 +57,12 @@ def child(args: argparse.Namespace) -> None:
             out = supervised_token_loss(model, batch).sum()
         torch.autograd.grad(out, [target])
 
-    class LargestVocabTensor(TorchDispatchMode):
-        """Largest fp32 tensor whose last dimension is the vocabulary, bytes."""
-
-        nbytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            for t in pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() not in parameters:
-                    self.nbytes = max(self.nbytes, t.numel() * 4)
-            return result
-
     gc.collect()
     start = current_rss_bytes()
     reset_peak_rss()
     run()
     peak = peak_rss_bytes() - start
-    with LargestVocabTensor() as probe:
+    with largest_fp32_vocab_tensor(vocab, parameters) as probe:
         run()
     emit({"peak": peak, "vocab_tensor": probe.nbytes, "supervised": int(supervised_targets(batch["labels"]).sum()), "vocab": vocab})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -96,3 +97,31 @@ class ValidateOnly(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         return None
+
+
+def saved_activation_bytes(model, ids, autocast=None) -> int:
+    """All bytes indexing one batch really keeps for backward (weights themselves excepted).
+
+    The real path, `projected_gradients`, from the first layer's modules on (the graph plan bounds),
+    with one supervised token so that the loss's share is the same at every length.
+    """
+    from gradian_lightning.gradients.batch import projected_gradients
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
+    from gradian_lightning.gradients.projection import KroneckerProjector
+
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    labels = torch.full_like(ids, -100)
+    labels[0, -1] = ids[0, -1]
+    modules = select_modules(model, ["*.layers.*"])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed)
+    return sum(saved.values())

@@ -18,7 +18,7 @@ from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES
 from gradian_lightning.recipes.plan import activation_bytes_per_token, largest_fitting_batch, make_plan, parse_bytes
 
-from conftest import ROWS, make_model, write_jsonl
+from conftest import ROWS, make_model, saved_activation_bytes, write_jsonl
 
 VOCAB = 4096  # larger than the tokenizer's: the logits must be the biggest tensor, as in real models
 
@@ -95,28 +95,10 @@ def test_largest_fitting_batch_is_the_budget_boundary():
 
 def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
     """The 1- and 2-layer probe, scaled, against what indexing a 3-layer model keeps for 2 rows of 20 tokens."""
-    from gradian_lightning.gradients.batch import projected_gradients
-    from gradian_lightning.gradients.capture import LinearCapture, select_modules
-    from gradian_lightning.gradients.projection import KroneckerProjector
-
     model = make_model(VOCAB, hidden=64, layers=3)
     per_token = activation_bytes_per_token(model.config, torch.float32)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    ids = torch.randint(3, len(tokenizer), (2, 20))
-    labels = torch.full_like(ids, -100)
-    labels[0, -1] = ids[0, -1]  # one supervised token: its fp32 log-softmax, [1, vocab], is the loss's share
-    modules = select_modules(model, ["*.layers.*"])  # from the first layer's q_proj on: the graph plan bounds
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-        projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0))
-    kept = sum(saved.values()) - VOCAB * 4
+    # One supervised token: its fp32 log-softmax, [1, vocab], is the loss's share.
+    kept = saved_activation_bytes(model, torch.randint(3, len(tokenizer), (2, 20))) - VOCAB * 4
     assert 0.85 * per_token * 40 <= kept <= per_token * 40
 
 

@@ -13,13 +13,10 @@ from gradian_lightning import GradientIndexer, open_index
 from gradian_lightning.config import load_config
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.gradients.batch import projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets
-from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.recipes.plan import make_plan
 
-from conftest import ROWS, ValidateOnly, make_model, write_jsonl
+from conftest import ROWS, ValidateOnly, make_model, saved_activation_bytes, write_jsonl
 
 # Measured on this suite's tiny Llama (hidden 64, random init): the largest per-row relative error
 # ‖row - fp32 row‖ / ‖fp32 row‖ was 0.0086 under bf16-mixed and 0.0093 under bf16-true (bf16 keeps
@@ -88,30 +85,6 @@ def plan_for(tmp_path, model_dir, *more):
     return make_plan(load_config("configs/smollm2.yaml", [f"model.name_or_path={model_dir}", f"data.train={data}", "trainer.accelerator=cpu", *more]), 10**9)
 
 
-def saved_bytes(model, ids, autocast=None):
-    """All bytes indexing one batch really keeps for backward (weights themselves excepted).
-
-    The real path, `projected_gradients`, from the first layer's modules on (the graph plan bounds),
-    with one supervised token so that the loss's share is the same at every length.
-    """
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    labels = torch.full_like(ids, -100)
-    labels[0, -1] = ids[0, -1]
-    modules = select_modules(model, ["*.layers.*"])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-        projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed)
-    return sum(saved.values())
-
-
 def test_plan_takes_trainer_precision_into_account(tmp_path, wide_model, tokenizer):
     fp32, mixed, true = (plan_for(tmp_path, wide_model, *more) for more in ([], ["trainer.precision=bf16-mixed"], ["trainer.precision=bf16-true"]))
     model = make_model(4096, hidden=64, layers=3)
@@ -125,12 +98,12 @@ def test_plan_takes_trainer_precision_into_account(tmp_path, wide_model, tokeniz
     # Against real forwards of 2 rows × 20 and × 40 tokens: what they keep is a fixed part (under
     # autocast, its bf16 weight copies) plus a part that grows with the tokens.
     short, long = torch.randint(3, len(tokenizer), (2, 20)), torch.randint(3, len(tokenizer), (2, 40))
-    small, large = saved_bytes(model, short, torch.bfloat16), saved_bytes(model, long, torch.bfloat16)
+    small, large = saved_activation_bytes(model, short, torch.bfloat16), saved_activation_bytes(model, long, torch.bfloat16)
     # Plan's per-token figure is an upper bound (its graph starts at the embeddings); measured 0.94 of it.
     assert 0.85 * mixed["activation_bytes_per_token"] <= (large - small) / 40 <= mixed["activation_bytes_per_token"]
     assert 2 * small - large == pytest.approx(linear * 2, rel=0.01)  # the fixed part: the weight copies plan adds
     model = model.to(torch.bfloat16)
-    per_token = (saved_bytes(model, long) - saved_bytes(model, short)) / 40
+    per_token = (saved_activation_bytes(model, long) - saved_activation_bytes(model, short)) / 40
     assert 0.85 * true["activation_bytes_per_token"] <= per_token <= true["activation_bytes_per_token"]
     # Not half: RMSNorm upcasts to fp32 inside, and with no Linear input kept those fp32 tensors are
     # a larger share of what remains (measured 0.60 of fp32).
