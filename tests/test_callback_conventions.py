@@ -128,3 +128,12 @@ def test_summary_line_goes_through_lightnings_rank_zero_logger_and_verbose_false
         L.Trainer(callbacks=[GradientIndexer(tmp_path / "b", "down_proj", 4, verbose=False)], **kwargs).validate(module, loader, verbose=False)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GradientIndexer:") and r.name == "lightning.pytorch.utilities.rank_zero"]
     assert lines == [f"GradientIndexer: step 0: 7/7 rows in {tmp_path / 'a'} (complete)"]
+
+
+def test_every_n_val_runs_counts_on_across_a_checkpoint(tmp_path):
+    """A resumed fit indexes the same validation runs as an uninterrupted one: the count is in the state."""
+    before = GradientIndexer(tmp_path / "ix", checkpoints=True, every_n_val_runs=2)
+    before._val_runs = 3
+    after = GradientIndexer(tmp_path / "ix", checkpoints=True, every_n_val_runs=2)
+    after.load_state_dict(before.state_dict())
+    assert after._val_runs == 3

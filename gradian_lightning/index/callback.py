@@ -193,12 +193,14 @@ class GradientIndexer(L.Callback):
         return {"module_filter": self.patterns, "projection_dim": self.projection_dim, "storage_dtype": self.storage_dtype, "seed": self.seed}
 
     def state_dict(self) -> Dict[str, Any]:
-        """What a resumed fit needs: the finished runs (step, path, rows, complete) and the settings."""
-        return {"runs": [dict(r) for r in self.runs], "settings": self._settings()}
+        """What a resumed fit needs: the finished runs (step, path, rows, complete), the settings and
+        how many validation runs it has seen (for `every_n_val_runs`)."""
+        return {"runs": [dict(r) for r in self.runs], "settings": self._settings(), "val_runs": self._val_runs}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore the finished runs of the checkpointed fit; warn (rank 0) when the settings changed."""
         self.runs = [dict(r) for r in state_dict.get("runs", [])]
+        self._val_runs = int(state_dict.get("val_runs", 0))  # every_n_val_runs counts on across the resume
         saved = state_dict.get("settings")
         if saved is not None and saved != self._settings():
             changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._settings().items() if saved.get(k) != v)
