@@ -101,9 +101,9 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
         raise ConfigError(
             f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {len(models)} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
         )
-    rows = {}
+    rows, readers = {}, {}
     for step, name in models:
-        reader = index if step == index.step else index.at(step)
+        reader = readers[step] = index if step == index.step else index.at(step)
         model, tokenizer = load_model_and_tokenizer(OmegaConf.merge(cfg.model, {"name_or_path": name}))
         check_matches_index(reader, model, settings)
         model.to(fabric.device)
@@ -112,9 +112,8 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
         )
     q = cfg.query
     if client is not None:
-        step, = rows
-        reader = index if step == index.step else index.at(step)
-        top, bottom = dask_topk(reader, rows[step], q.top_k, q.score, q.bottom_k, q.normalize, client=client, precondition=q.precondition, damping=q.damping)
+        (step,) = rows
+        top, bottom = dask_topk(readers[step], rows[step], q.top_k, q.score, q.bottom_k, q.normalize, client=client, precondition=q.precondition, damping=q.damping)
     else:
         top, bottom = streaming_topk(index, rows, q.top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which)
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
