@@ -49,8 +49,9 @@ def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear
     written without. Raises `ConfigError` listing the candidates when nothing matches.
     """
     modules = dict(model.named_modules())
-    aliases = {unwrapped_name(name): [unwrapped_name(a) for a in names] for name, names in module_aliases(model).items()}
-    linears = {unwrapped_name(name): modules[name] for name in module_aliases(model)}
+    own_names = module_aliases(model)
+    aliases = {unwrapped_name(name): [unwrapped_name(a) for a in names] for name, names in own_names.items()}
+    linears = {unwrapped_name(name): modules[name] for name in own_names}
     chosen = {name: m for name, m in linears.items() if any(_matches(alias, p) for alias in aliases[name] for p in patterns)}
     if not chosen:
         # Layer numbers make the list long and repetitive; show each distinct shape once.
