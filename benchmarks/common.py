@@ -103,6 +103,17 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def peak_rss_rise(run: Any) -> int:
+    """Bytes by which the process's peak RSS rises above its current RSS while `run()` runs."""
+    import gc
+
+    gc.collect()
+    start = current_rss_bytes()
+    reset_peak_rss()
+    run()
+    return peak_rss_bytes() - start
+
+
 def run_child(module: str, args: Sequence[str], timeout: float = 3600, flag: str = "--child") -> Dict[str, Any]:
     """Run `python -m module --child args...` (or another `flag`) in a fresh process; its last stdout line is JSON.
 

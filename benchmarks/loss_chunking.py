@@ -21,14 +21,14 @@ the same child; the time ratio is chunked / gathered at the same batch.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from typing import Any, Dict, List
 
 from benchmarks.common import (
     largest_fp32_vocab_tensor,
-    command_line, current_rss_bytes, emit, fmt_bytes, peak_rss_bytes, reset_peak_rss, run_child, synthetic_examples, table, tiny_llama, write_result,
+    peak_rss_rise,
+    command_line, emit, fmt_bytes, run_child, synthetic_examples, table, tiny_llama, write_result,
 )
 
 VOCAB = 128_256  # Llama-3's
@@ -56,11 +56,7 @@ def child(args: argparse.Namespace) -> None:
             out = supervised_token_loss(model, batch, chunk_tokens=chunk).sum()
         torch.autograd.grad(out, [target])
 
-    gc.collect()
-    start = current_rss_bytes()
-    reset_peak_rss()
-    run()
-    peak = peak_rss_bytes() - start
+    peak = peak_rss_rise(run)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()

@@ -20,12 +20,12 @@ The naive loss does not depend on the supervised fraction, so it runs once per (
 from __future__ import annotations
 
 import argparse
-import gc
 from typing import Any, Dict, List
 
 from benchmarks.common import (
     largest_fp32_vocab_tensor,
-    command_line, current_rss_bytes, emit, fmt_bytes, load_model, peak_rss_bytes, reset_peak_rss, run_child, synthetic_examples, table, write_result,
+    peak_rss_rise,
+    command_line, emit, fmt_bytes, load_model, run_child, synthetic_examples, table, write_result,
 )
 
 BATCHES, SEQS, FRACTIONS = (1, 2, 4, 8), (256, 512), (0.10, 0.25, 1.00)
@@ -57,11 +57,7 @@ def child(args: argparse.Namespace) -> None:
             out = supervised_token_loss(model, batch).sum()
         torch.autograd.grad(out, [target])
 
-    gc.collect()
-    start = current_rss_bytes()
-    reset_peak_rss()
-    run()
-    peak = peak_rss_bytes() - start
+    peak = peak_rss_rise(run)
     with largest_fp32_vocab_tensor(vocab, parameters) as probe:
         run()
     emit({"peak": peak, "vocab_tensor": probe.nbytes, "supervised": int(supervised_targets(batch["labels"]).sum()), "vocab": vocab})
