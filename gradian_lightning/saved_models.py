@@ -60,7 +60,7 @@ def saved_models(entries: Sequence[str]) -> List[SavedModel]:
         entry = str(entry)
         if is_lightning_checkpoint(entry):
             ckpt = read_lightning_checkpoint(entry)
-            step, lr = int(ckpt.get("global_step") or 0), _first_lr(ckpt)
+            step, lr = ckpt["global_step"], _first_lr(ckpt)
             if out and step <= out[-1].step:
                 raise ConfigError(
                     f"setting 'model.checkpoints' lists {entry!r} (global step {step}) after {out[-1].entry!r} (step {out[-1].step}); list the checkpoints oldest first, each .ckpt at a later global step than the entry before it (a Hugging Face directory counts one step after the entry before it, 0 when first)"
@@ -93,6 +93,8 @@ def read_lightning_checkpoint(path: str) -> Dict[str, Any]:
     other Python objects (say, in its hyper-parameters) is refused with one line.
     """
     local = os.path.expanduser(str(path))  # "~/..." in a YAML file means the home directory
+    if os.path.isdir(local):  # DeepSpeed and sharded FSDP save_checkpoint write a directory named *.ckpt
+        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which is a directory (a sharded DeepSpeed or FSDP checkpoint); consolidate it into one .ckpt file (Lightning's convert_zero_checkpoint_to_fp32_state_dict or consolidate_checkpoint) and list that file")
     if not os.path.isfile(local):
         raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which is not a file; give the path of a Lightning .ckpt (Trainer.save_checkpoint or ModelCheckpoint) or of a Hugging Face model directory")
     try:
@@ -106,8 +108,8 @@ def read_lightning_checkpoint(path: str) -> Dict[str, Any]:
             ) from None
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which torch.load cannot read as a Lightning checkpoint ({first}); give a .ckpt saved by Trainer.save_checkpoint or ModelCheckpoint") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which holds no state_dict; give a .ckpt saved by Trainer.save_checkpoint or ModelCheckpoint")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict) or not isinstance(ckpt.get("global_step"), int):
+        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which holds no state_dict or no global_step; give a .ckpt saved by Trainer.save_checkpoint or ModelCheckpoint")
     return ckpt
 
 
@@ -129,15 +131,15 @@ def load_lightning_weights(model: torch.nn.Module, state: Dict[str, torch.Tensor
     no such prefix, two of them (two copies of the model in one LightningModule), a PEFT
     (LoRA) model, tied weights saved with different values, or a shape that differs.
     """
-    if any(".lora_A." in k or ".lora_B." in k or ".base_layer." in k for k in state):
+    ours = model.state_dict()
+    if any(_is_peft(k) for k in state) and not any(_is_peft(k) for k in ours):
         raise ConfigError(
             f"setting 'model.checkpoints' lists {str(path)!r}, which holds a PEFT (LoRA) model; gradian reads only full weights from a .ckpt: merge the adapter (merge_and_unload()), save the model with save_pretrained and list its directory"
         )
-    ours = model.state_dict()
     expected, tied = set(ours), _tied_keys(ours)
     fits: List[str] = []
     best: Optional[Tuple[int, str, List[str], List[str]]] = None
-    for prefix in sorted(_candidate_prefixes(state, expected)):
+    for prefix in sorted(_candidate_prefixes(state, list(ours), tied)):
         keys = {k[len(prefix):] for k in state if k.startswith(prefix)}
         missing = sorted(k for k in expected - keys if not (tied.get(k, set()) & keys))
         unexpected = sorted(keys - expected)
@@ -149,7 +151,7 @@ def load_lightning_weights(model: torch.nn.Module, state: Dict[str, torch.Tensor
         raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which holds the model's weights under several attributes ({', '.join(repr(p) for p in fits)}); save the one to index with save_pretrained and list its directory")
     if not fits:
         why = "none of its state_dict keys ends with one of the model's" if best is None else (
-            f"under the prefix {best[1]!r}, {len(best[2])} of the model's keys are missing (e.g. {best[2][:1]}) and {len(best[3])} are unexpected (e.g. {best[3][:1]})")
+            f"under the prefix {best[1]!r}, {len(best[2])} of the model's keys are missing{_example(best[2])} and {len(best[3])} are unexpected{_example(best[3])}")
         raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, whose weights are not those of model.name_or_path ({why}); {_FIX}")
     prefix = fits[0]
     weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -164,11 +166,25 @@ def load_lightning_weights(model: torch.nn.Module, state: Dict[str, torch.Tensor
         raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, whose weights are not those of model.name_or_path ({detail.rstrip('.')}); {_FIX}") from None
 
 
-def _candidate_prefixes(state: Dict[str, Any], expected: Set[str]) -> Set[str]:
-    """Every prefix p (empty or ending in '.') such that p + (one of the model's keys) is a key of `state`."""
+def _is_peft(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key or ".base_layer." in key
+
+
+def _example(keys: List[str]) -> str:
+    return f" (e.g. {keys[0]!r})" if keys else ""
+
+
+def _candidate_prefixes(state: Dict[str, Any], expected: List[str], tied: Dict[str, Set[str]]) -> Set[str]:
+    """Every prefix p (empty or ending in '.') such that p + (an anchor key of the model) is a key of `state`.
+
+    The prefix that fits holds every key of the model, so two anchors (the first and last untied
+    keys) find it in O(len(state)); two, so that a model of another depth still gets a diagnosis.
+    """
+    untied = [k for k in expected if k not in tied] or sorted(expected)
+    anchors = {untied[0], untied[-1]}
     found = set()
     for key in state:
-        for ours in expected:
+        for ours in anchors:
             if key.endswith(ours) and (len(key) == len(ours) or key[-len(ours) - 1] == "."):
                 found.add(key[: len(key) - len(ours)])
     return found
@@ -176,9 +192,9 @@ def _candidate_prefixes(state: Dict[str, Any], expected: Set[str]) -> Set[str]:
 
 def _tied_keys(ours: Dict[str, torch.Tensor]) -> Dict[str, Set[str]]:
     """Key -> the other keys of the same tensor (lm_head.weight <-> model.embed_tokens.weight when tied)."""
-    by_tensor: Dict[Tuple[int, int], Set[str]] = {}
+    by_tensor: Dict[Tuple[Any, ...], Set[str]] = {}
     for key, tensor in ours.items():
         if tensor.numel() == 0:  # empty tensors may share a null pointer without being tied
             continue
-        by_tensor.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), set()).add(key)
+        by_tensor.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(key)
     return {k: group - {k} for group in by_tensor.values() if len(group) > 1 for k in group}

@@ -28,6 +28,9 @@ class Wrapped(L.LightningModule):
         self.net = lm
         self.value_head = torch.nn.Linear(4, 1)  # not the HF model's: outside the prefix, not compared
 
+    def validation_step(self, batch, batch_idx):
+        return None
+
     def training_step(self, batch, batch_idx):
         return self.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
 
@@ -73,6 +76,23 @@ def _all_scores(top, n):
     return out.numpy()
 
 
+def _scores_at(index, step, weights, tokenizer, queries, tie):
+    """[Q, N] scores of checkpoint `step` alone, its query rows made by a fresh model holding `weights`."""
+    reference = make_model(len(tokenizer), tie=tie)
+    reference.load_state_dict(weights)
+    rows = query_gradients(index.at(step), reference, tokenizer, queries)
+    return _all_scores(index.at(step).topk(rows, k=len(index)), len(index))
+
+
+def _assert_scores(output, expected):
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(results) == len(expected)
+    for qi, result in enumerate(results):
+        assert len(result["results"]) == expected.shape[1]
+        for r in result["results"]:
+            assert abs(r["score"] - expected[qi, r["index"]]) < 1e-5
+
+
 def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_path, tokenizer, rows, fitted):
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     queries = write_jsonl(tmp_path / "queries.jsonl", rows[:3])
@@ -98,28 +118,17 @@ def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_
         assert torch.equal(tensor, fitted["weights"][2][name]), name
 
     # query.checkpoints=[1, 2]: scores at each checkpoint's own weights, summed weighted by learning rate
-    def per_checkpoint(step):
-        reference = make_model(len(tokenizer), tie=True)
-        reference.load_state_dict(fitted["weights"][step])
-        q = query_gradients(index.at(step), reference, tokenizer, rows[:3])
-        return _all_scores(index.at(step).topk(q, k=len(rows)), len(rows))
-
-    per = {s: per_checkpoint(s) for s in (1, 2)}
+    per = {s: _scores_at(index, s, fitted["weights"][s], tokenizer, rows[:3], tie=True) for s in (1, 2)}
     expected = (lr[1] * per[1] + lr[2] * per[2]) / (lr[1] + lr[2])
     out = tmp_path / "two.jsonl"
     assert main(["query", *common, f"query.data={queries}", "query.checkpoints=[1,2]", f"query.output={out}", f"query.top_k={len(rows)}"]) == 0
-    for qi, result in enumerate(json.loads(line) for line in out.read_text().splitlines()):
-        for r in result["results"]:
-            assert abs(r["score"] - expected[qi, r["index"]]) < 1e-5
+    _assert_scores(out, expected)
     # `all` takes the base directory too, which has no learning rate: equal weights
     assert main(["query", *common, f"query.data={queries}", "query.checkpoints=all", f"query.output={out}", f"query.top_k={len(rows)}"]) == 0
     base = OmegaConf.create({**cfg, "name_or_path": str(fitted["base"])})
     reference, _ = load_saved_model(base, str(fitted["base"]))
     per[0] = _all_scores(index.at(0).topk(query_gradients(index.at(0), reference, tokenizer, rows[:3]), k=len(rows)), len(rows))
-    expected = (per[0] + per[1] + per[2]) / 3
-    for qi, result in enumerate(json.loads(line) for line in out.read_text().splitlines()):
-        for r in result["results"]:
-            assert abs(r["score"] - expected[qi, r["index"]]) < 1e-5
+    _assert_scores(out, (per[0] + per[1] + per[2]) / 3)
 
     # a query whose list does not line up with the index's steps fails on the .ckpt's own step
     swapped = [fitted["base"], fitted["ckpt"][2], fitted["tuned"]]
@@ -128,6 +137,40 @@ def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_
         from gradian_lightning.recipes.query import run_query
 
         run_query(load_config("configs/smollm2.yaml", [*common[1:2], f"model.checkpoints=[{','.join(map(str, swapped))}]", f"index.path={tmp_path / 'ix'}", *GRADS, f"query.data={queries}"]))
+
+
+def test_an_index_built_during_fit_is_queried_with_the_fits_ckpt_files(tmp_path, tokenizer, rows, saved_model):
+    """GradientIndexer(checkpoints=True) indexes at each validation run, ModelCheckpoint saves a .ckpt
+    right after it: a later `gradian query` makes each checkpoint's query rows from its .ckpt."""
+    from transformers import AutoModelForCausalLM
+
+    from gradian_lightning import GradientIndexer
+    from gradian_lightning.config import load_config
+    from gradian_lightning.data import JsonlDataset
+    from gradian_lightning.recipes.query import run_query
+
+    dataset = JsonlDataset(rows, tokenizer, 64)
+    indexer = GradientIndexer(tmp_path / "ix", ["down_proj", "o_proj"], 4, "float32", model_attribute="net", checkpoints=True)
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}")
+    at_save = AtSave()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[indexer, saver, at_save])
+    lm = AutoModelForCausalLM.from_pretrained(saved_model)  # as a user would: the index records this name
+    trainer.fit(Wrapped(lm), train_dataloaders=loader(dataset, 4), val_dataloaders=loader(dataset))
+    index = open_index(tmp_path / "ix")
+    steps = [e["step"] for e in index.checkpoints]
+    assert steps == sorted(at_save.weights) == [2, 4]
+    ckpts = [tmp_path / "ckpt" / f"step={s}.ckpt" for s in steps]
+    # the learning rate a .ckpt carries is the one GradientIndexer recorded at that step
+    assert [(s.step, s.lr) for s in saved_models([str(c) for c in ckpts])] == [(e["step"], pytest.approx(e["lr"])) for e in index.checkpoints]
+    queries = write_jsonl(tmp_path / "queries.jsonl", rows[:2])
+    out = tmp_path / "all.jsonl"
+    overrides = [f"model.name_or_path={saved_model}", f"model.checkpoints=[{','.join(map(str, ckpts))}]", f"index.path={tmp_path / 'ix'}", *GRADS,
+                 f"query.data={queries}", "query.checkpoints=all", f"query.output={out}", f"query.top_k={len(rows)}"]
+    run_query(load_config("configs/smollm2.yaml", overrides))
+    lrs = [e["lr"] for e in index.checkpoints]
+    per = [_scores_at(index, s, at_save.weights[s], tokenizer, rows[:2], tie=False) for s in steps]
+    _assert_scores(out, (lrs[0] * per[0] + lrs[1] * per[1]) / sum(lrs))
 
 
 def _one_line(excinfo):
@@ -148,9 +191,17 @@ def test_ckpt_list_order_and_files(tmp_path, fitted):
     with pytest.raises(ConfigError, match="global step 0"):  # would share step 0 with the base directory
         saved_models([str(fitted["base"]), str(step0)])
     assert saved_models([str(step0)])[0].lr is None  # no optimizer state saved: no learning rate
+    torch.save({"state_dict": {}}, tmp_path / "stepless.ckpt")
+    with pytest.raises(ConfigError, match="no global_step") as e:
+        saved_models([str(tmp_path / "stepless.ckpt")])
+    _one_line(e)
     with pytest.raises(ConfigError, match="not a file") as e:
         saved_models([str(tmp_path / "nowhere.ckpt")])
     assert "nowhere.ckpt" in _one_line(e)
+    (tmp_path / "sharded.ckpt").mkdir()
+    with pytest.raises(ConfigError, match="is a directory") as e:
+        saved_models([str(tmp_path / "sharded.ckpt")])
+    _one_line(e)
     (tmp_path / "text.ckpt").write_text("not a checkpoint")
     with pytest.raises(ConfigError, match="cannot read") as e:
         saved_models([str(tmp_path / "text.ckpt")])
