@@ -132,7 +132,8 @@ class GradientIndexer(L.Callback):
             at a time (`grads.loss_chunk_tokens`): a bounded loss peak, the same rows; None = all at once.
         checkpoints: keep every indexed validation run as one checkpoint of one index at `path`,
             keyed by global step (or `self.step` when set), with the learning rate at that step
-            (the first optimizer's first group, or `self.lr` when set) (index/checkpoints.py); queries then sum the checkpoints' scores (`query.checkpoints`).
+            (the first optimizer's first group, or `self.lr` when set) (index/checkpoints.py);
+            queries then sum the checkpoints' scores (`query.checkpoints`).
         every_n_val_runs: index only every n-th validation run (1: each).
 
     Every argument is checked here, before any Trainer exists: a wrong one is one `ConfigError` line.
