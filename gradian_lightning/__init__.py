@@ -25,6 +25,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       memory.py                the byte arithmetic of that loss's fp32 peak
       projection.py            KroneckerProjector
       batch.py                 projected_gradients: one batch -> rows
+    saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, config.py (omegaconf), data.py (JSONL -> batches),
                                hub.py (from_pretrained, pad token, file hash), versions.py
 

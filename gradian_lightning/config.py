@@ -30,9 +30,10 @@ class ModelConfig:
     dtype: str = "float32"
     revision: Optional[str] = None
     trust_remote_code: bool = False
-    # Saved checkpoints of this model (Hugging Face directories), oldest first, e.g. [base, fine-tuned]:
-    # `gradian index` indexes each as one checkpoint (step = its position), `gradian query` with
-    # query.checkpoints=all|[steps] makes the query rows with each.
+    # Saved checkpoints of this model (Hugging Face directories or Lightning .ckpt files), oldest
+    # first, e.g. [base, fine-tuned]: `gradian index` indexes each as one checkpoint (a .ckpt at its
+    # global step, with its learning rate; a directory one step after the entry before it:
+    # saved_models.py), `gradian query` with query.checkpoints=all|[steps] makes the query rows with each.
     checkpoints: Optional[List[str]] = None
 
 

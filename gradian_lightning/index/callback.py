@@ -132,7 +132,8 @@ class GradientIndexer(L.Callback):
             at a time (`grads.loss_chunk_tokens`): a bounded loss peak, the same rows; None = all at once.
         checkpoints: keep every indexed validation run as one checkpoint of one index at `path`,
             keyed by global step (or `self.step` when set), with the learning rate at that step
-            (index/checkpoints.py); queries then sum the checkpoints' scores (`query.checkpoints`).
+            (the first optimizer's first group, or `self.lr` when set) (index/checkpoints.py);
+            queries then sum the checkpoints' scores (`query.checkpoints`).
         every_n_val_runs: index only every n-th validation run (1: each).
 
     Every argument is checked here, before any Trainer exists: a wrong one is one `ConfigError` line.
@@ -180,7 +181,8 @@ class GradientIndexer(L.Callback):
         self._todo: Optional[np.ndarray] = None
         # checkpoints=True: each indexed validation run adds checkpoint `step` (default: the
         # global step) to one index at `path` (index/checkpoints.py) instead of replacing it.
-        self.checkpoints, self.every_n_val_runs, self.step = checkpoints, every_n_val_runs, None
+        # `lr` (default: the first optimizer's) is set when validating a saved checkpoint, which has no optimizer.
+        self.checkpoints, self.every_n_val_runs, self.step, self.lr = checkpoints, every_n_val_runs, None, None
         self._val_runs, self._checkpoint = 0, None
 
     # -- Lightning checkpoint state --------------------------------------------------------------
@@ -284,7 +286,7 @@ class GradientIndexer(L.Callback):
             meta = self._meta(trainer, num_rows)
             if self.checkpoints:
                 step = int(trainer.global_step) if self.step is None else int(self.step)
-                lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+                lr = self.lr if self.lr is not None else (trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None)
                 meta = {**meta, "global_step": step, "lr": lr, "num_rows": num_rows, "width": self.projector.width, "storage_dtype": self.storage_dtype}
                 self._checkpoint = (path, step, lr)
                 path = register_checkpoint(path, step, lr, meta, complete=False, overwrite=self.overwrite)

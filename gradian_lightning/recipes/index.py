@@ -21,6 +21,7 @@ from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, pad_token_id
 from gradian_lightning.index.callback import GradientIndexer
 from gradian_lightning.recipes.plan import format_index_start, index_layout
+from gradian_lightning.saved_models import load_saved_model, saved_models
 
 
 class CausalLMModule(L.LightningModule):
@@ -62,22 +63,22 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
         "data": {"path": str(cfg.data.train), "sha256": file_sha256(cfg.data.train), "max_seq_length": cfg.grads.max_seq_length},
     }
     g = cfg.grads
-    checkpoints = list(cfg.model.checkpoints or [])
+    checkpoints = saved_models(cfg.model.checkpoints or [])  # steps and learning rates: a bad list fails before any model loads
     indexer = GradientIndexer(
         cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, rows_per_chunk=cfg.index.rows_per_chunk,
         loss_chunk_tokens=g.loss_chunk_tokens, checkpoints=bool(checkpoints),
         verbose=False,  # the CLI prints the summary
     )
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
-    # model.checkpoints: one index, one checkpoint per saved model, keyed by its position in the list.
-    for step, name in enumerate(checkpoints or [cfg.model.name_or_path]):
-        model, tokenizer = load_model_and_tokenizer(OmegaConf.merge(cfg.model, {"name_or_path": name}))
+    # model.checkpoints: one index, one checkpoint per saved model, keyed by its step (saved_models.py).
+    for run, saved in enumerate(checkpoints or [None]):
+        model, tokenizer = load_saved_model(cfg.model, saved.entry) if saved else load_model_and_tokenizer(cfg.model)
         dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
         if announce is not None and trainer.is_global_zero:  # before the launch too: ranks > 0 know their rank
             announce(format_index_start(len(dataset), index_layout(model, g, len(dataset)), g.storage_dtype, str(cfg.index.path)))
         loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
-        indexer.step, indexer.summary = (step if checkpoints else None), None
-        if step:
+        indexer.step, indexer.lr, indexer.summary = (saved.step, saved.lr, None) if saved else (None, None, None)
+        if run:
             trainer = make_trainer(cfg, [indexer])
         trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
         if not trainer.is_global_zero:

@@ -17,11 +17,12 @@ from omegaconf import OmegaConf
 from gradian_lightning.config import require
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.data import read_jsonl
-from gradian_lightning.hub import file_sha256, load_model_and_tokenizer
+from gradian_lightning.hub import file_sha256
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.topk import Index, Ranking, streaming_topk
+from gradian_lightning.saved_models import load_saved_model, saved_models
 
 
 def results_for(index: IndexReader, query_ids: Sequence[str], top: Ranking, bottom: Optional[Ranking] = None) -> List[Dict[str, Any]]:
@@ -63,6 +64,12 @@ def _checkpoint_models(cfg: Any, index: Index, which: Any) -> List[tuple]:
         raise ConfigError(
             f"setting 'query.checkpoints'={which!r} needs one saved model per checkpoint of the index at {str(index.path)!r} (steps {[e['step'] for e in index.checkpoints]}) in model.checkpoints, oldest first; it lists {len(names)}"
         )
+    # Matched by position, oldest first; a .ckpt knows its global step, so a misordered list fails here.
+    for e, saved in zip(index.checkpoints, saved_models(names)):
+        if saved.is_lightning and saved.step != int(e["step"]):
+            raise ConfigError(
+                f"setting 'model.checkpoints' lists {saved.entry!r} (global step {saved.step}) where the index at {str(index.path)!r} holds step {e['step']}; list the saved models of the index's checkpoints {[c['step'] for c in index.checkpoints]}, oldest first"
+            )
     by_step = {int(e["step"]): name for e, name in zip(index.checkpoints, names)}
     return [(step, by_step[step]) for step in chosen]
 
@@ -104,7 +111,7 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
     rows, readers = {}, {}
     for step, name in models:
         reader = readers[step] = index if step == index.step else index.at(step)
-        model, tokenizer = load_model_and_tokenizer(OmegaConf.merge(cfg.model, {"name_or_path": name}))
+        model, tokenizer = load_saved_model(cfg.model, name)
         check_matches_index(reader, model, settings)
         model.to(fabric.device)
         rows[step] = query_gradients(
