@@ -16,6 +16,17 @@ and `sources`: the ids of the training rows that planted the query's answer). Fo
   distractor  names come in near-identical groups (Kalo, Kalu, Kali); the query repeats word for
               word the template of rows about the *other* group members (same question, other
               answer), while its one source states the fact with a different template.
+  newword     invented words, each defined by one row as a tool for a task ("What is a zurenkal?" "A
+              zurenkal is a tool used to polish boots."); the query asks what the word is for in
+              other words and is answered with a paraphrase of the task ("What can I do with a
+              zurenkal?" "With a zurenkal you can make shiny your boots."). No pretrained model can
+              answer it (the word does not exist): only the fine-tune can teach it. Every task
+              shares its verb with 14 other rows and its object with 9, and the template with all.
+  reversal    the same definitions, queried backwards: the query names the task in other words and
+              the answer is the invented word ("I need something to wash my violins. What should
+              I use?" "Use a lotorvik."). One epoch of fine-tuning does not teach this direction
+              (the reversal curse: the query loss rises), so it measures attribution for an
+              answer the model did not learn from its source.
 
 Sequences are short (under ~40 SmolLM2 tokens) so that the benchmark runs on a couple of CPU cores.
 """
@@ -180,9 +191,45 @@ def distractor_set(rng: random.Random, groups: int = 12, queries: int = 30) -> T
     return train, rng.sample(candidates, queries)
 
 
+VERBS = [("polish", "make shiny"), ("measure", "find the size of"), ("fold", "bend flat"), ("sharpen", "put an edge on"),
+         ("warm", "heat up"), ("clean", "wash"), ("carry", "move"), ("sort", "put in order"), ("repair", "fix"), ("paint", "colour")]
+OBJECTS_NEW = ["boots", "maps", "apples", "violins", "candles", "letters", "kites", "stones", "ropes", "glasses", "shells", "coins", "feathers", "bowls", "ladders"]
+
+
+def _definitions(rng: random.Random) -> Tuple[List[Dict], List[str], List[Tuple[str, str, str]]]:
+    words = set()
+    while len(words) < len(VERBS) * len(OBJECTS_NEW):
+        words.add("".join(rng.sample(SYLLABLES, 3)))
+    words = sorted(words)
+    rng.shuffle(words)
+    tasks = [(verb, paraphrase, obj) for verb, paraphrase in VERBS for obj in OBJECTS_NEW]
+    train = [{"id": f"{w}", "prompt": f"What is a {w}?", "completion": f" A {w} is a tool used to {verb} {obj}."} for w, (verb, _, obj) in zip(words, tasks)]
+    return train, words, tasks
+
+
+def newword_set(rng: random.Random, queries: int = 30) -> Tuple[List[Dict], List[Dict]]:
+    train, words, tasks = _definitions(rng)
+    query_rows = []
+    for i in rng.sample(range(len(train)), queries):
+        w, (_, paraphrase, obj) = words[i], tasks[i]
+        query_rows.append({"id": f"q-{w}", "sources": [w], "prompt": f"What can I do with a {w}?", "completion": f" With a {w} you can {paraphrase} your {obj}."})
+    rng.shuffle(train)
+    return train, query_rows
+
+
+def reversal_set(rng: random.Random, queries: int = 30) -> Tuple[List[Dict], List[Dict]]:
+    train, words, tasks = _definitions(rng)
+    query_rows = []
+    for i in rng.sample(range(len(train)), queries):
+        w, (_, paraphrase, obj) = words[i], tasks[i]
+        query_rows.append({"id": f"q-{w}", "sources": [w], "prompt": f"I need something to {paraphrase} my {obj}. What should I use?", "completion": f" Use a {w}."})
+    rng.shuffle(train)
+    return train, query_rows
+
+
 def main(seed: int = 0) -> None:
     OUT.mkdir(exist_ok=True)
-    makers = {"fact": fact_set, "backdoor": backdoor_set, "format": format_set, "distractor": distractor_set}
+    makers = {"fact": fact_set, "backdoor": backdoor_set, "format": format_set, "distractor": distractor_set, "reversal": reversal_set, "newword": newword_set}
     for offset, (kind, make) in enumerate(makers.items()):
         train, queries = make(random.Random(seed + offset))
         ids = {r["id"] for r in train}

@@ -115,8 +115,10 @@ def mean_loss(model, tokenizer, rows: List[Dict]) -> float:
     return total / len(rows)
 
 
-def fine_tune(model, tokenizer, train_rows, query_rows, epochs: int, lr: float, batch_size: int, log: Callable[[str], None]) -> Dict:
-    """Plain AdamW loop on the supervised tokens of `train_rows`; returns losses before and after."""
+def fine_tune(model, tokenizer, train_rows, query_rows, epochs: int, lr: float, batch_size: int, log: Callable[[str], None], optimizer_out: Optional[List] = None) -> Dict:
+    """Plain AdamW loop on the supervised tokens of `train_rows`; returns losses before and after.
+
+    `optimizer_out`, when given, receives the optimizer (its second moments precondition rows)."""
     torch.manual_seed(0)
     before = {"train": mean_loss(model.eval(), tokenizer, train_rows), "queries": mean_loss(model, tokenizer, query_rows)}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -132,6 +134,8 @@ def fine_tune(model, tokenizer, train_rows, query_rows, epochs: int, lr: float, 
         log(f"  epoch {epoch + 1}/{epochs}: last batch loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)")
     model.eval()
     model.zero_grad(set_to_none=True)
+    if optimizer_out is not None:
+        optimizer_out.append(optimizer)
     for p in model.parameters():
         p.requires_grad_(True)  # gradients are taken w.r.t. module outputs; trainability is irrelevant
     after = {"train": mean_loss(model, tokenizer, train_rows), "queries": mean_loss(model, tokenizer, query_rows)}

@@ -85,3 +85,45 @@ def test_scores_ranks_and_metrics_match_plain_computation(setup):
     assert {r["filter"] for r in records} == set(rq.module_filters(list(modules)))
     rec = rq._pick(records, filter="mlp", dim=8, storage="float32", score="cosine")
     assert rec["mrr"] == pytest.approx(metrics["mrr"])
+
+
+def test_grid_exact_ceiling_and_adam_rows_equal_per_example_autograd(setup, monkeypatch):
+    """ranking_grid.py: the exact per-module inner products (from token grams, no gradient
+    materialised, gathered head positions included) and the adam-scaled rows equal per-example
+    autograd gradients of every Linear weight."""
+    import ranking_grid as grid
+
+    monkeypatch.setattr(grid, "DIMS", (8,))
+    model, tokenizer, train, queries = setup
+    modules = select_modules(model, ["*"])
+    names = list(modules)
+
+    def dense(rows):
+        out = []
+        for row in rows:
+            batch = next(iter(rq._loader([row], tokenizer, 1)))
+            loss = rq.supervised_token_loss(model, batch).sum()
+            out.append([g.double() for g in torch.autograd.grad(loss, [modules[n].weight for n in names])])
+        return out
+
+    with torch.enable_grad():
+        dq, dt = dense(queries), dense(train)
+    g = torch.Generator().manual_seed(0)
+    scales = {n: (torch.rand(m.out_features, generator=g) + 0.5, torch.rand(m.in_features, generator=g) + 0.5) for n, m in modules.items()}
+    scales.pop(names[0])  # a module without optimizer state stays plain
+    q = grid.Captured(modules).run(model, tokenizer, queries)
+    t = grid.Captured(modules).run(model, tokenizer, train, queries=q, scales=scales)
+    inner = torch.tensor([[[float((a[m] * b[m]).sum()) for m in range(len(names))] for b in dt] for a in dq], dtype=torch.float64)
+    torch.testing.assert_close(t.inner, inner, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(t.self_inner, torch.tensor([[float((b[m] ** 2).sum()) for m in range(len(names))] for b in dt], dtype=torch.float64), rtol=1e-4, atol=1e-7)
+    modcos = torch.tensor([[float(torch.stack([F.cosine_similarity(a[m].flatten(), b[m].flatten(), 0) for m in range(len(names))]).mean()) for b in dt] for a in dq], dtype=torch.float64)
+    torch.testing.assert_close(grid.exact_scores(t, q, range(len(names))), modcos, rtol=1e-5, atol=1e-6)
+    # adam rows: G ⊙ (1/√r)(1/√c)ᵀ, projected as the plain rows are
+    projector = KroneckerProjector(modules, 8, 0)
+    for m, name in enumerate(names):
+        r, c = scales.get(name, (torch.ones(modules[name].out_features), torch.ones(modules[name].in_features)))
+        block = projector.blocks[m]
+        p_out, p_in = projector.matrices(name, torch.device("cpu"))
+        want = torch.stack([(p_out.double() @ (b[m] * r.double()[:, None] * c.double()[None, :]) @ p_in.double().T).flatten() for b in dt])
+        got = t.projected[("adam", 8)][:, block.offset : block.offset + block.size].double()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
