@@ -176,7 +176,8 @@ def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: 
 
 
 def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any]:
-    """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype.
+    """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype
+    (the rows plus their per-module float32 norms, index/layout.py; the per-row flags are left out).
 
     `model` may live on the meta device; `grads` is the `grads.*` config section.
     """
@@ -184,7 +185,7 @@ def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any
     return {
         "modules": len(projector.blocks),
         "width": projector.width,
-        "bytes_by_storage_dtype": {d: rows * projector.width * STORAGE_ITEMSIZE[d] for d in STORAGE_DTYPES},
+        "bytes_by_storage_dtype": {d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * 4) for d in STORAGE_DTYPES},
     }
 
 
