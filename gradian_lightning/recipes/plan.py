@@ -140,18 +140,24 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
     return sum(saved.values())
 
 
-def activation_bytes_per_token(config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None) -> int:
+def activation_bytes_per_token(
+    config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None, recompute_layers: bool = True
+) -> int:
     """Bytes of activations kept for backward per token (prompt, completion and padding alike).
 
     Measured, not modelled: one forward of a 1-layer and a 2-layer copy of the architecture (random
     weights of `dtype`, full width, under `autocast` when given) under `saved_tensors_hooks`; the
-    difference is one layer's share, scaled to every layer, plus what the 1-layer model keeps
-    outside its layer.
+    difference is one layer's share, plus what the 1-layer model keeps outside its layer. Without
+    `recompute_layers` every layer keeps its share; with it (indexing's default, recompute.py) one
+    layer's share is alive at a time, beside every layer's input ([tokens, hidden] in `dtype`).
     """
     one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code, autocast)
     two = _saved_activation_bytes(config, 2, dtype, tokens, trust_remote_code, autocast)
     per_layer = two - one
-    return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
+    if not recompute_layers:
+        return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
+    inputs = config.num_hidden_layers * int(config.hidden_size) * torch.empty((), dtype=dtype).element_size()
+    return int(round(one / tokens + inputs))
 
 
 def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int, chunk_tokens: Optional[int] = None) -> int:
