@@ -99,13 +99,13 @@ class ValidateOnly(L.LightningModule):
         return None
 
 
-def saved_activation_bytes(model, ids, autocast=None, recompute=True) -> int:
+def saved_activation_bytes(model, ids, autocast=None, recompute=False) -> int:
     """All bytes indexing one batch keeps for backward at once (weights themselves excepted).
 
     The real path, `projected_gradients` without recomputation, from the first layer's modules on
     (the graph plan bounds), with one supervised token so that the loss's share is the same at
     every length; each saved tensor is attributed to the decoder layer that saved it, or to none.
-    Without `recompute` that is everything saved. With it (indexing's default, recompute.py) each
+    Without `recompute` that is everything saved. With it (`recompute_layers=True`, recompute.py) each
     layer's own tensors are alive one layer at a time: what is kept is what no layer saved, the
     largest layer's share, and every layer's input (the tensors the recomputation starts from).
     """

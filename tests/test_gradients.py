@@ -119,11 +119,7 @@ def test_chunked_loss_gives_the_same_rows(model, tokenizer, rows, chunk):
 
 
 def test_forward_keeps_no_linear_input_for_weight_gradients(model, tokenizer, rows):
-    """Weights are detached for the forward: autograd saves no Linear's input (only weight gradients need them).
-
-    Layers are not recomputed here, so that every tensor autograd saves passes the hook (a
-    recomputed layer saves through torch.utils.checkpoint's own hooks; its rows are the same,
-    tests/test_recompute.py)."""
+    """Weights are detached for the forward: autograd saves no Linear's input (only weight gradients need them)."""
     kept = []  # held, so that no later tensor can take a freed input's address
     hooks = [m.register_forward_pre_hook(lambda m, args: kept.append(args[0]))
              for name, m in model.named_modules() if name.endswith(("mlp.gate_proj", "mlp.down_proj", "self_attn.q_proj"))]
@@ -137,7 +133,7 @@ def test_forward_keeps_no_linear_input_for_weight_gradients(model, tokenizer, ro
     modules = select_modules(model, ["down_proj"])
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            projected_gradients(model, collate(examples(tokenizer, rows[:3])), LinearCapture(modules), KroneckerProjector(modules, 4, 0), recompute_layers=False)
+            projected_gradients(model, collate(examples(tokenizer, rows[:3])), LinearCapture(modules), KroneckerProjector(modules, 4, 0))
     finally:
         for h in hooks:
             h.remove()

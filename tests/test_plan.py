@@ -97,13 +97,13 @@ def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
     """The 1- and 2-layer probe, scaled, against what indexing a 3-layer model keeps for 2 rows of 20 tokens."""
     model = make_model(VOCAB, hidden=64, layers=3)
     ids = torch.randint(3, len(tokenizer), (2, 20))
-    for recompute in (True, False):  # indexing's default, and every layer keeping its activations
+    for recompute in (False, True):  # every layer keeping its activations (the default), and recomputed layers
         per_token = activation_bytes_per_token(model.config, torch.float32, recompute_layers=recompute)
         # One supervised token: its fp32 log-softmax, [1, vocab], is the loss's share.
         kept = saved_activation_bytes(model, ids, recompute=recompute) - VOCAB * 4
         assert 0.85 * per_token * 40 <= kept <= per_token * 40
     # Recomputing layers keeps less than the layers' own activations (hidden 64, 3 layers: 0.8x here, fewer at depth).
-    assert activation_bytes_per_token(model.config, torch.float32) < 0.85 * activation_bytes_per_token(model.config, torch.float32, recompute_layers=False)
+    assert activation_bytes_per_token(model.config, torch.float32, recompute_layers=True) < 0.85 * activation_bytes_per_token(model.config, torch.float32)
 
 
 def test_parse_bytes():

@@ -32,7 +32,7 @@ def test_recomputed_rows_equal_kept_ones_and_the_model_is_untouched(tokenizer):
     with torch.enable_grad():
         kept, kept_losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute_layers=False)
         assert len(calls) == 1
-        got, losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector)
+        got, losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute_layers=True)
     assert len(calls) == 3  # the forward and its recomputation both went through the instance's own forward
     torch.testing.assert_close(got, kept, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(losses, kept_losses, rtol=0, atol=0)
@@ -49,7 +49,7 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
     capture.output_grads = lambda loss: (_ for _ in ()).throw(RuntimeError("killed in the backward"))
     try:
         with torch.enable_grad():
-            projected_gradients(model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0))
+            projected_gradients(model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute_layers=True)
     except RuntimeError as err:
         assert "killed in the backward" in str(err)
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))

@@ -40,7 +40,7 @@ def projected_gradients(
     projector: KroneckerProjector,
     forward_context: Optional[ContextManager] = None,
     loss_chunk_tokens: Optional[int] = None,
-    recompute_layers: bool = True,
+    recompute_layers: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rows [B, D] float32 (the projected per-example gradients) and losses [B] float32 (nats).
 
@@ -53,9 +53,10 @@ def projected_gradients(
     parameters (`torch.func.functional_call`): autograd then keeps no Linear's input for a weight
     gradient, and nothing at all before the first captured module. The captured inputs are
     projected in the forward hook, so only [B, T, k] of each is kept through the backward.
-    With `recompute_layers` (the default) each decoder layer keeps only its input and is run again
-    in the backward (recompute.py): about 0.8x the peak memory for one more forward of the layers
-    (benchmarks/RESULTS.md, capture overhead); the rows are the same.
+    With `recompute_layers` each decoder layer keeps only its input and is run again in the
+    backward (recompute.py): on SmolLM2 0.57x the plain step's peak RSS instead of 0.67x, for one
+    more forward of the layers (+45-80% indexing time; benchmarks/RESULTS.md, capture overhead);
+    the rows are the same.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if loss_chunk_tokens is not None and any(m is head for m in capture.modules.values()):

@@ -141,14 +141,14 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
 
 
 def activation_bytes_per_token(
-    config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None, recompute_layers: bool = True
+    config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None, recompute_layers: bool = False
 ) -> int:
     """Bytes of activations kept for backward per token (prompt, completion and padding alike).
 
     Measured, not modelled: one forward of a 1-layer and a 2-layer copy of the architecture (random
     weights of `dtype`, full width, under `autocast` when given) under `saved_tensors_hooks`; the
     difference is one layer's share, plus what the 1-layer model keeps outside its layer. Without
-    `recompute_layers` every layer keeps its share; with it (indexing's default, recompute.py) one
+    `recompute_layers` every layer keeps its share; with it (`GradientIndexer(recompute_layers=True)`, recompute.py) one
     layer's share is alive at a time, beside every layer's input ([tokens, hidden] in `dtype`).
     """
     one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code, autocast)
