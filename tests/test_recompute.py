@@ -1,15 +1,20 @@
 """Recomputing decoder layers in the indexing backward (gradients/recompute.py): the same rows as
 keeping every layer's activations, and the model exactly as it was afterwards."""
 
+import lightning as L
+import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from gradian_lightning.data import collate
+from gradian_lightning import GradientIndexer, open_index
+from gradian_lightning.data import JsonlDataset, collate
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import decoder_layers
 
-from conftest import ROWS, make_model
+from conftest import ROWS, ValidateOnly, make_model
 from test_gradients import examples
 
 
@@ -54,3 +59,18 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
         assert "killed in the backward" in str(err)
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
     assert not capture._recomputing and not capture.outputs
+
+
+def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, tokenizer, rows):
+
+    with pytest.raises(ConfigError, match=r"GradientIndexer\(recompute_layers='yes'\) is not allowed"):
+        GradientIndexer(tmp_path / "bad", recompute_layers="yes")
+    dataset = JsonlDataset(rows, tokenizer, 64)
+    for name, recompute in (("kept", False), ("recomputed", True)):
+        indexer = GradientIndexer(tmp_path / name, ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", recompute_layers=recompute)
+        trainer = L.Trainer(callbacks=[indexer], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path)
+        trainer.validate(ValidateOnly(model), dataloaders=DataLoader(dataset, batch_size=3, collate_fn=collate))
+    kept, recomputed = open_index(tmp_path / "kept"), open_index(tmp_path / "recomputed")
+    assert recomputed.meta["complete"]
+    torch.testing.assert_close(recomputed.rows(slice(None)), kept.rows(slice(None)), rtol=1e-6, atol=1e-7)
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
