@@ -21,7 +21,6 @@ from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import recomputed_layers
 
 
-
 class _Holder(nn.Module):
     """Holds the model as a child, so that `functional_call` swaps its parameters around any closure."""
 
