@@ -24,6 +24,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       loss.py                  supervised_token_loss: fp32 gather-then-upcast
       memory.py                the byte arithmetic of that loss's fp32 peak
       projection.py            KroneckerProjector
+      recompute.py             decoder layers re-run in the indexing backward instead of keeping their activations
       batch.py                 projected_gradients: one batch -> rows
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, config.py (omegaconf), data.py (JSONL -> batches),
@@ -36,12 +37,12 @@ One batch, indexing:
       --gradients.batch.projected_gradients:
             LinearCapture hooks on   ->  supervised_token_loss [B] fp32  ->  autograd.grad to the
             module outputs (no parameter .grad)  ->  KroneckerProjector  ->  rows [B, D] float32
-      --index.writer.IndexWriter--> zarr `grads` rows at their dataset positions, flags last
+      --index.writer.IndexWriter--> zarr `grads` rows and their per-module `norms` at their dataset positions, flags last
 
 One query:
     JSONL rows --query.rows.query_gradients (the same gradient path, with the modules and
       projection read back from the index)--> query rows [Q, D]
-      --query.topk.streaming_topk: index chunks decoded by IndexReader, scored as [Q, c] matmuls,
+      --query.topk.streaming_topk: index chunks decoded into one buffer, scaled by the stored norms, scored as [Q, c] matmuls,
       merged into a running top-k--> Ranking --recipes.query--> JSONL results
 """
 

@@ -99,29 +99,56 @@ class ValidateOnly(L.LightningModule):
         return None
 
 
-def saved_activation_bytes(model, ids, autocast=None) -> int:
-    """All bytes indexing one batch really keeps for backward (weights themselves excepted).
+def saved_activation_bytes(model, ids, autocast=None, recompute=False) -> int:
+    """All bytes indexing one batch keeps for backward at once (weights themselves excepted).
 
-    The real path, `projected_gradients`, from the first layer's modules on (the graph plan bounds),
-    with one supervised token so that the loss's share is the same at every length.
+    The real path, `projected_gradients` without recomputation, from the first layer's modules on
+    (the graph plan bounds), with one supervised token so that the loss's share is the same at
+    every length; each saved tensor is attributed to the decoder layer that saved it, or to none.
+    Without `recompute` that is everything saved. With it (`recompute_layers=True`, recompute.py) each
+    layer's own tensors are alive one layer at a time: what is kept is what no layer saved, the
+    largest layer's share, and every layer's input (the tensors the recomputation starts from).
     """
     from gradian_lightning.gradients.batch import projected_gradients
     from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.gradients.projection import KroneckerProjector
+    from gradian_lightning.gradients.recompute import decoder_layers
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
+    saved = {}  # storage -> (layer or None, bytes); the first layer to save a storage owns it
+    inputs = {}  # storage -> bytes of each layer's input hidden states
+    current = [None]
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in weights:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            saved.setdefault(t.untyped_storage().data_ptr(), (current[0], t.untyped_storage().nbytes()))
         return t
+
+    def enter(i):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            inputs[hidden.untyped_storage().data_ptr()] = hidden.untyped_storage().nbytes()
+            current[0] = i
+        return hook
+
+    def leave(module, args, output):
+        current[0] = None
 
     labels = torch.full_like(ids, -100)
     labels[0, -1] = ids[0, -1]
     modules = select_modules(model, ["*.layers.*"])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-        projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed)
-    return sum(saved.values())
+    layers = decoder_layers(model)
+    hooks = [layer.register_forward_pre_hook(enter(i), with_kwargs=True) for i, layer in enumerate(layers)] + [layer.register_forward_hook(leave) for layer in layers]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed, recompute_layers=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not recompute:
+        return sum(size for _, size in saved.values())
+    outside = sum(size for layer, size in saved.values() if layer is None)
+    largest = max(sum(size for layer, size in saved.values() if layer == i) for i in range(len(layers)))
+    return outside + largest + sum(inputs.values())

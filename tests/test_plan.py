@@ -63,8 +63,8 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     s = plan["supervised_tokens"]
     assert (s["max"], s["mean"], s["p95"]) == (counts.max(), pytest.approx(counts.mean()), pytest.approx(np.percentile(counts, 95)))
     assert plan["truncated_rows"] == 1 and plan["empty_rows"] == 0
-    # index size: rows × (modules × k²) × itemsize; 2 layers' down_proj, k = 16
-    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": len(rows) * 2 * 256 * 4, "float16": len(rows) * 2 * 256 * 2, "bfloat16": len(rows) * 2 * 256 * 2}
+    # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms); 2 layers' down_proj, k = 16
+    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": len(rows) * (2 * 256 * 4 + 8), "float16": len(rows) * (2 * 256 * 2 + 8), "bfloat16": len(rows) * (2 * 256 * 2 + 8)}
 
 
 def test_chunked_loss_peak_is_the_chunk_whatever_the_batch(tmp_path, wide_model, tokenizer):
@@ -96,10 +96,14 @@ def test_largest_fitting_batch_is_the_budget_boundary():
 def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
     """The 1- and 2-layer probe, scaled, against what indexing a 3-layer model keeps for 2 rows of 20 tokens."""
     model = make_model(VOCAB, hidden=64, layers=3)
-    per_token = activation_bytes_per_token(model.config, torch.float32)
-    # One supervised token: its fp32 log-softmax, [1, vocab], is the loss's share.
-    kept = saved_activation_bytes(model, torch.randint(3, len(tokenizer), (2, 20))) - VOCAB * 4
-    assert 0.85 * per_token * 40 <= kept <= per_token * 40
+    ids = torch.randint(3, len(tokenizer), (2, 20))
+    for recompute in (False, True):  # every layer keeping its activations (the default), and recomputed layers
+        per_token = activation_bytes_per_token(model.config, torch.float32, recompute_layers=recompute)
+        # One supervised token: its fp32 log-softmax, [1, vocab], is the loss's share.
+        kept = saved_activation_bytes(model, ids, recompute=recompute) - VOCAB * 4
+        assert 0.85 * per_token * 40 <= kept <= per_token * 40
+    # Recomputing layers keeps less than the layers' own activations (hidden 64, 3 layers: 0.8x here, fewer at depth).
+    assert activation_bytes_per_token(model.config, torch.float32, recompute_layers=True) < 0.85 * activation_bytes_per_token(model.config, torch.float32)
 
 
 def test_parse_bytes():

@@ -8,15 +8,28 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Dict, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import LinearCapture
 from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.gradients.recompute import recomputed_layers
+
+
+class _Holder(nn.Module):
+    """Holds the model as a child, so that `functional_call` swaps its parameters around any closure."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, run: Callable[[], Any]) -> Any:
+        return run()
 
 
 def projected_gradients(
@@ -26,6 +39,7 @@ def projected_gradients(
     projector: KroneckerProjector,
     forward_context: Optional[ContextManager] = None,
     loss_chunk_tokens: Optional[int] = None,
+    recompute_layers: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rows [B, D] float32 (the projected per-example gradients) and losses [B] float32 (nats).
 
@@ -38,18 +52,28 @@ def projected_gradients(
     parameters (`torch.func.functional_call`): autograd then keeps no Linear's input for a weight
     gradient, and nothing at all before the first captured module. The captured inputs are
     projected in the forward hook, so only [B, T, k] of each is kept through the backward.
+    With `recompute_layers` each decoder layer keeps only its input and is run again in the
+    backward (recompute.py): on SmolLM2 0.57x the plain step's peak RSS instead of 0.67x, for one
+    more forward of the layers (+45-80% indexing time; benchmarks/RESULTS.md, capture overhead);
+    the rows are the same.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if loss_chunk_tokens is not None and any(m is head for m in capture.modules.values()):
         raise ConfigError(f"setting 'grads.loss_chunk_tokens'={loss_chunk_tokens} runs the output head in chunks of its own, so the head cannot be captured; leave it out of grads.module_filter or set grads.loss_chunk_tokens=null")
-    detached = {name: p.detach() for name, p in model.named_parameters()}
+    detached = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
     own_transform = capture.input_transform
     if own_transform is None:
         capture.input_transform = projector.project_input
+
+    def forward_backward() -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        with forward_context or contextlib.nullcontext(), capture, recomputed_layers(model, capture) if recompute_layers else contextlib.nullcontext():
+            losses = supervised_token_loss(model, batch, loss_chunk_tokens)
+            return losses, capture.output_grads(losses.sum())
+
     try:
-        with forward_context or contextlib.nullcontext(), capture:
-            losses = supervised_token_loss(model, batch, loss_chunk_tokens, parameters=detached)
-            output_grads = capture.output_grads(losses.sum())
+        # The detached parameters stand in for the model's own through the backward too, where
+        # the recomputed layers run again (functional_call restores the model's own after).
+        losses, output_grads = functional_call(_Holder(model), detached, (forward_backward,), strict=False)
         token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
         rows = projector.project(capture.inputs, output_grads, batch["input_ids"].shape[0], token_rows, inputs_projected=own_transform is None)
     finally:

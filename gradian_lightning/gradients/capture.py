@@ -13,8 +13,9 @@ shorter names (peft.py): `q_proj` selects the frozen `q_proj.base_layer`, `lora_
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -78,9 +79,24 @@ class LinearCapture:
         self.inputs: Dict[str, torch.Tensor] = {}
         self.outputs: Dict[str, torch.Tensor] = {}
         self._handles: List[torch.utils.hooks.RemovableHandle] = []
+        self._recomputing = False
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """While active, the hooks treat each module's run as a recomputation (recompute.py) of a
+        forward already captured: outputs are marked as in that forward, nothing is kept."""
+        self._recomputing = True
+        try:
+            yield
+        finally:
+            self._recomputing = False
 
     def _hook(self, name: str):
         def keep(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if self._recomputing:
+                if not output.requires_grad:
+                    output.requires_grad_(True)  # the recomputed graph must save what the first one saved
+                return
             if name in self.outputs:
                 raise GradianError(f"module {name!r} ran twice in one forward; shared modules cannot be captured, leave it out of grads.module_filter")
             if not output.requires_grad:

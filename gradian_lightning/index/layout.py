@@ -10,6 +10,10 @@
       truncated_tokens   [N] i32     supervised tokens cut by max_seq_length (-1: unknown)
       finite             [N] bool    false when the gradient had NaN/inf (the row is stored as zeros)
       complete           [N] bool    the row is written; set only after its data is on disk
+      norms              [N, M] f32  L2 norm of each module block of the stored row (decoded to float32),
+                                     M = the blocks of meta["modules"] (one: the row, without them);
+                                     written with the row, before `complete`. Indexes written before
+                                     it existed lack it: readers compute the norms from the rows.
       statistics/                    second moments of the counted rows, written on close (statistics.py)
 
 Row i is dataset position i, whatever order rows arrive in. Metadata attribute "gradian" holds
@@ -26,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +42,7 @@ ATTRIBUTE = "gradian"
 # Target size of one grads chunk, uncompressed. 4 MiB keeps a chunk and its float32 upcast in cache
 # while a query scores it: 2x the streaming top-k throughput of 16 MiB (benchmarks/RESULTS.md §5).
 CHUNK_BYTES = 4 * 2**20
+NORMS = "norms"  # [N, M] float32 per-module L2 norms of the stored rows
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 ROW_ARRAYS = {
     "id": (str, ""),
@@ -57,13 +62,28 @@ def encode(rows: torch.Tensor, storage_dtype: str) -> np.ndarray:
     return rows.to(getattr(torch, storage_dtype)).numpy()
 
 
-def decode(stored: np.ndarray, storage_dtype: str) -> torch.Tensor:
-    """Stored rows -> float32 tensor [b, D]."""
+def decode(stored: np.ndarray, storage_dtype: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Stored rows -> float32 tensor [b, D]; into `out` (float32 [b, D], reused) when given."""
     if storage_dtype == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16).float()
-    # torch upcasts float16 several times faster than NumPy's astype: it bounds query throughput
+        rows = torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16)
+    else:
+        rows = torch.from_numpy(np.ascontiguousarray(stored))
+    # torch upcasts float16 several times faster than NumPy's astype, and copying into a reused
+    # buffer about 1.8x faster again than allocating (no fresh pages): it bounds query throughput
     # (benchmarks/query_throughput.py).
-    return torch.from_numpy(np.ascontiguousarray(stored)).float()
+    return rows.float() if out is None else out.copy_(rows)
+
+
+def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
+    """float32 [n, M]: the L2 norm of each module block ({"offset", "size"}) of float32 `rows` [n, D].
+
+    The writer stores these for the stored (decoded) rows; a reader of an index without them
+    computes them with this same function, so both give the same bits.
+    """
+    sizes = {int(b["size"]) for b in blocks}
+    if len(sizes) == 1 and sum(int(b["size"]) for b in blocks) == rows.shape[1]:  # projected: equal k² blocks
+        return torch.linalg.vector_norm(rows.view(rows.shape[0], len(blocks), -1), dim=2)
+    return torch.stack([torch.linalg.vector_norm(rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])], dim=1) for b in blocks], dim=1)
 
 
 def fingerprint(parts: Dict[str, Any]) -> str:

@@ -13,9 +13,12 @@ import torch
 
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.checkpoints import checkpoint_entries
-from gradian_lightning.index.layout import ATTRIBUTE, decode, read_meta
+from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, read_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import RowStatistics, counted, layout_blocks
+
+# Bytes of per-row arrays (flags, norms) one read fetches while streaming: see `IndexReader._span`.
+METADATA_READ_BYTES = 4 * 2**20
 
 
 class IndexReader:
@@ -41,6 +44,8 @@ class IndexReader:
         self.grads = self.group["grads"]
         self.storage_dtype = self.meta["storage_dtype"]
         self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`
+        self._norms_array = self.group[NORMS] if NORMS in self.group.array_keys() else None  # absent in older indexes
+        self._norms: Tuple[int, torch.Tensor] = (0, torch.zeros(0, 0))  # cached block for `stored_norms`
 
     def __len__(self) -> int:
         return int(self.meta["num_rows"])
@@ -51,17 +56,41 @@ class IndexReader:
             return self.group[name][:]
         return self.group[name].oindex[np.asarray(indices, dtype=np.int64)]
 
+    def _span(self, lo: int, hi: int, chunk: int, row_bytes: int) -> slice:
+        # The rows one read of a per-row array covers: whole chunks from lo's chunk, about
+        # METADATA_READ_BYTES of them and at least lo..hi-1. Each read is a round trip through
+        # zarr's event loop (about a millisecond on a loaded machine), so one read serves many
+        # grads chunks, and memory stays bounded by that constant, not by N.
+        start = lo - lo % chunk
+        rows = max(chunk, METADATA_READ_BYTES // max(row_bytes, 1) // chunk * chunk)
+        return slice(start, min(max(hi, start + rows), len(self)))
+
     def rankable(self, lo: int, hi: int) -> np.ndarray:
         """Bool [hi - lo]: rows lo..hi-1 that may appear in query results (written, finite, supervised)."""
         start, mask = self._mask
         if not (start <= lo and hi <= start + len(mask)):
-            # Read a whole chunk of the per-row arrays at once: one read serves many grads chunks,
-            # and memory stays bounded by the chunk, not by N.
-            start = lo - lo % self.group["complete"].chunks[0]
-            rows = slice(start, min(max(hi, start + self.group["complete"].chunks[0]), len(self)))
+            rows = self._span(lo, hi, self.group["complete"].chunks[0], 6)  # bool, bool, int32 per row
             mask = self.group["complete"][rows] & self.group["finite"][rows] & (self.group["supervised_tokens"][rows] > 0)
-            self._mask = (start, mask)
+            self._mask = (rows.start, mask)
+            start = rows.start
         return mask[lo - start : hi - start]
+
+    def stored_norms(self, lo: int, hi: int) -> Optional[torch.Tensor]:
+        """float32 [hi - lo, M]: the per-module L2 norms of rows lo..hi-1 as the writer stored them
+        (`layout.module_norms` of the decoded rows), or None for an index written before they were stored."""
+        if self._norms_array is None:
+            return None
+        start, block = self._norms
+        if not (start <= lo and hi <= start + len(block)):
+            rows = self._span(lo, hi, self._norms_array.chunks[0], 4 * self._norms_array.shape[1])
+            block = torch.from_numpy(self._norms_array[rows])
+            self._norms = (rows.start, block)
+            start = rows.start
+        return block[lo - start : hi - start]
+
+    def stored(self, lo: int, hi: int) -> np.ndarray:
+        """Rows lo..hi-1 as stored, not decoded ([hi - lo, D] in the storage encoding, `layout.decode` reads it)."""
+        return self.grads[lo:hi]
 
     def rows(self, indices: Sequence[int] | slice) -> torch.Tensor:
         """float32 rows [len(indices), D] for dataset positions `indices`."""
@@ -72,9 +101,14 @@ class IndexReader:
 
     def chunks(self) -> Iterator[Tuple[int, torch.Tensor]]:
         """(first row, float32 rows [c, D]) for each stored chunk, in order: streaming reads."""
+        for lo, stored in self.stored_chunks():
+            yield lo, decode(stored, self.storage_dtype)
+
+    def stored_chunks(self) -> Iterator[Tuple[int, np.ndarray]]:
+        """(first row, rows as stored [c, D]) for each stored chunk, in order: for callers that decode into their own buffer."""
         step = self.grads.chunks[0]
         for lo in range(0, len(self), step):
-            yield lo, self.rows(slice(lo, min(lo + step, len(self))))
+            yield lo, self.stored(lo, min(lo + step, len(self)))
 
     def statistics(self) -> RowStatistics:
         """The row statistics stored by the writer; for an index written before they existed, one pass over its rows."""

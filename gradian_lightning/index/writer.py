@@ -13,7 +13,7 @@ import torch
 import zarr
 
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, decode, encode
+from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NORMS, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, decode, encode, module_norms
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import RowStatistics, counted, layout_blocks
 
@@ -63,6 +63,10 @@ class IndexWriter:
         self.chunk = min(rows_per_chunk or chunk_rows(width, storage_dtype), max(num_rows, 1))
         self.group = self._open_or_create(overwrite)
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
+        self.blocks = layout_blocks(self.meta)
+        # An index begun by a gradian that stored no norms is resumed without them: its readers
+        # compute every row's norms, so a partial array would only be a second truth.
+        self.store_norms = NORMS in self.group.array_keys()
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self.kept_rows = int(self.done.sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
@@ -113,6 +117,8 @@ class IndexWriter:
         row_chunk = max(self.chunk, 4096)
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
+        # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
+        group.create_array(NORMS, shape=(self.num_rows, len(layout_blocks(self.meta))), chunks=(row_chunk, len(layout_blocks(self.meta))), dtype=np.float32, fill_value=0.0)
         group.attrs[ATTRIBUTE] = self.meta
         return group
 
@@ -153,14 +159,17 @@ class IndexWriter:
         # The data goes first and the completion flags last, so a killed run never leaves a row
         # marked complete whose data is not on disk.
         block = np.stack([rows[i][0] for i in order])
+        decoded = decode(block, self.storage_dtype)  # what a reader will see: norms and statistics are of these values
         self._set("grads", where, block)
+        if self.store_norms:
+            self._set(NORMS, where, module_norms(decoded, self.blocks).numpy())
         columns = list(zip(*(rows[i][1] for i in order)))
         for name, values in zip(("id", "loss", "supervised_tokens", "truncated_tokens", "finite"), columns):
             self._set(name, where, np.asarray(values, dtype=ROW_ARRAYS[name][0]))
         self._set("complete", where, np.ones(len(order), dtype=bool))
         self.done[order] = True
         keep = counted(np.asarray(columns[4]), np.asarray(columns[2]))
-        self.statistics.add(decode(block[keep], self.storage_dtype))
+        self.statistics.add(decoded[torch.from_numpy(keep)])
 
     def _statistics_before(self) -> RowStatistics:
         """Statistics of the rows that were complete before this writer started, read from disk."""

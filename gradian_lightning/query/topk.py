@@ -20,8 +20,13 @@ import torch
 from gradian_lightning.config import NORMALIZE, PRECONDITIONS, SCORES
 from gradian_lightning.errors import ConfigError, IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
+from gradian_lightning.index.layout import decode, module_norms
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner
+
+
+# Scores held before they are merged into the running top-k: [Q, 4096] float32 is 16 KiB a query.
+MERGE_COLUMNS = 4096
 
 
 @dataclass
@@ -47,17 +52,20 @@ def _merge(best: Ranking, scores: torch.Tensor, positions: torch.Tensor, k: int,
     return Ranking(indices.gather(1, top.indices), top.values)
 
 
-def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
-    """Scale each module's block of `rows` [n, D] to unit L2 norm, in place; a zero block stays zero."""
-    tiny = torch.finfo(rows.dtype).tiny
+def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], norms: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scale each module's block of `rows` [n, D] to unit L2 norm, in place; a zero block stays zero.
+
+    `norms` [n, M] are the blocks' norms when known (stored by the writer), else computed here.
+    One multiply by the reciprocal either way, so stored and computed norms give the same bits.
+    """
+    norms = module_norms(rows, blocks) if norms is None else norms.to(rows.device)
+    inverse = norms.clamp_min(torch.finfo(rows.dtype).tiny).reciprocal_()
     sizes = {int(b["size"]) for b in blocks}
     if len(sizes) == 1 and sum(int(b["size"]) for b in blocks) == rows.shape[1]:  # projected: equal k² blocks
-        view = rows.view(rows.shape[0], len(blocks), -1)
-        view /= torch.linalg.vector_norm(view, dim=2, keepdim=True).clamp_min(tiny)
+        rows.view(rows.shape[0], len(blocks), -1).mul_(inverse[:, :, None])
         return rows
-    for b in blocks:
-        part = rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])]
-        part /= torch.linalg.vector_norm(part, dim=1, keepdim=True).clamp_min(tiny)
+    for m, b in enumerate(blocks):
+        rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])].mul_(inverse[:, m : m + 1])
     return rows
 
 
@@ -105,18 +113,21 @@ def prepare_queries(
 
 
 def score_chunk(
-    queries: torch.Tensor, rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str, transform: Optional[Preconditioner] = None
+    queries: torch.Tensor, rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str, transform: Optional[Preconditioner] = None,
+    norms: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Scores [Q, c] float32 of a chunk of decoded rows [c, D] against `prepare_queries` output [Q, D].
 
-    `rows` must be a fresh tensor (a decoded chunk): per-module cosine normalises it in place.
-    Both engines, local and Dask, score with this one function.
+    `rows` must be a tensor the caller does not need afterwards (a decoded chunk): per-module
+    cosine normalises it in place. `norms` [c, M]: the rows' stored per-module norms
+    (`IndexReader.stored_norms`), which spare per-module cosine its norm pass; ignored under a
+    preconditioner, whose rows have other norms. Both engines, local and Dask, score with this one function.
     """
     if transform is not None:
-        rows = transform(rows)
+        rows, norms = transform(rows), None
     by_module = score == "cosine" and normalize == "module"
     if by_module:
-        rows = _unit_modules(rows, blocks)
+        rows = _unit_modules(rows, blocks, norms)
     scores = queries @ rows.T  # [Q, c] float32
     if score == "cosine" and not by_module:  # dividing the scores by the row norms saves normalising a copy of the chunk
         scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(torch.finfo(rows.dtype).tiny)
@@ -167,23 +178,43 @@ def streaming_topk(
     empty = Ranking(torch.empty(len(first), 0, dtype=torch.long, device=device), torch.empty(len(first), 0, device=device))
     top, bottom = empty, empty
     lead = parts[0][0]
-    for lo, rows in lead.chunks():
-        hi = lo + len(rows)
-        keep = torch.from_numpy(np.logical_and.reduce([reader.rankable(lo, hi) for reader, *_ in parts]))
-        positions = torch.arange(lo, hi)
-        if not bool(keep.any()):
-            continue
-        scores = None
-        for reader, queries, transform, weight in parts:
-            chunk = rows if reader is lead else reader.rows(slice(lo, hi))
-            if not bool(keep.all()):  # copying only when some rows must go keeps the common case one pass cheaper
-                chunk = chunk[keep]
-            part = score_chunk(queries, chunk.to(device), index_blocks(reader), score, normalize, transform)
-            scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
-        kept = positions[keep].to(device)
+    by_module = score == "cosine" and normalize == "module"
+    buffer: Optional[torch.Tensor] = None  # one float32 chunk, decoded into for every chunk: no fresh pages per chunk
+    held: list = []  # (scores [Q, c], positions [c]) of chunks not yet merged into top/bottom
+
+    def merge() -> None:
+        nonlocal top, bottom
+        scores, kept = torch.cat([s for s, _ in held], dim=1), torch.cat([p for _, p in held])
+        held.clear()
         top = _merge(top, scores, kept, k, largest=True)
         if bottom_k:
             bottom = _merge(bottom, scores, kept, bottom_k, largest=False)
+
+    for lo, stored in lead.stored_chunks():
+        hi = lo + len(stored)
+        keep = np.logical_and.reduce([reader.rankable(lo, hi) for reader, *_ in parts])
+        if not keep.any():
+            continue
+        if buffer is None or len(buffer) < hi - lo:
+            buffer = torch.empty(hi - lo, stored.shape[1])
+        scores = None
+        for reader, queries, transform, weight in parts:
+            # Every row is decoded and scored, and the columns of rows that must go are dropped
+            # afterwards: cheaper than copying the kept rows out of the chunk.
+            rows = decode(stored if reader is lead else reader.stored(lo, hi), reader.storage_dtype, out=buffer[: hi - lo]).to(device)
+            norms = reader.stored_norms(lo, hi) if by_module and transform is None else None
+            part = score_chunk(queries, rows, index_blocks(reader), score, normalize, transform, norms)
+            scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
+        kept = torch.arange(lo, hi)
+        if not keep.all():
+            keep = torch.from_numpy(keep)
+            scores, kept = scores[:, keep.to(device)], kept[keep]
+        held.append((scores, kept.to(device)))
+        # Merging a few thousand scores at once: the top-k's fixed cost per call is paid once, not per chunk.
+        if sum(len(p) for _, p in held) >= MERGE_COLUMNS:
+            merge()
+    if held:
+        merge()
     return top, (bottom if bottom_k else None)
 
 

@@ -140,18 +140,24 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
     return sum(saved.values())
 
 
-def activation_bytes_per_token(config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None) -> int:
+def activation_bytes_per_token(
+    config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None, recompute_layers: bool = False
+) -> int:
     """Bytes of activations kept for backward per token (prompt, completion and padding alike).
 
     Measured, not modelled: one forward of a 1-layer and a 2-layer copy of the architecture (random
     weights of `dtype`, full width, under `autocast` when given) under `saved_tensors_hooks`; the
-    difference is one layer's share, scaled to every layer, plus what the 1-layer model keeps
-    outside its layer.
+    difference is one layer's share, plus what the 1-layer model keeps outside its layer. Without
+    `recompute_layers` every layer keeps its share; with it (`GradientIndexer(recompute_layers=True)`, recompute.py) one
+    layer's share is alive at a time, beside every layer's input ([tokens, hidden] in `dtype`).
     """
     one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code, autocast)
     two = _saved_activation_bytes(config, 2, dtype, tokens, trust_remote_code, autocast)
     per_layer = two - one
-    return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
+    if not recompute_layers:
+        return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
+    inputs = config.num_hidden_layers * int(config.hidden_size) * torch.empty((), dtype=dtype).element_size()
+    return int(round(one / tokens + inputs))
 
 
 def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int, chunk_tokens: Optional[int] = None) -> int:
@@ -176,7 +182,8 @@ def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: 
 
 
 def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any]:
-    """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype.
+    """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype
+    (the rows plus their per-module float32 norms, index/layout.py; the per-row flags are left out).
 
     `model` may live on the meta device; `grads` is the `grads.*` config section.
     """
@@ -184,7 +191,7 @@ def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any
     return {
         "modules": len(projector.blocks),
         "width": projector.width,
-        "bytes_by_storage_dtype": {d: rows * projector.width * STORAGE_ITEMSIZE[d] for d in STORAGE_DTYPES},
+        "bytes_by_storage_dtype": {d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * 4) for d in STORAGE_DTYPES},
     }
 
 
