@@ -53,6 +53,8 @@ class GradsConfig:
     seed: int = 0
     # Head + fp32 cross-entropy this many supervised tokens at a time (null: all at once).
     loss_chunk_tokens: Optional[int] = None
+    # Keep only each decoder layer's input through the backward and run the layer again there.
+    recompute_layers: bool = False
 
 
 @dataclass

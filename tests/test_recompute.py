@@ -74,3 +74,19 @@ def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, t
     assert recomputed.meta["complete"]
     torch.testing.assert_close(recomputed.rows(slice(None)), kept.rows(slice(None)), rtol=1e-6, atol=1e-7)
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
+
+
+def test_grads_recompute_layers_reaches_the_indexer_from_the_config(tmp_path, saved_model):
+    """`gradian index ... grads.recompute_layers=true` writes the rows of the default path, and plan models it."""
+    from conftest import write_jsonl
+    from gradian_lightning.recipes.index import run_index
+    from gradian_lightning.recipes.plan import make_plan
+    from test_remote_store import index_config
+
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    kept = run_index(index_config(saved_model, data, tmp_path / "kept"))
+    recomputed = run_index(index_config(saved_model, data, tmp_path / "recomputed", "grads.recompute_layers=true"))
+    assert kept["rows"] == recomputed["rows"] == len(ROWS)
+    torch.testing.assert_close(open_index(tmp_path / "recomputed").rows(slice(None)), open_index(tmp_path / "kept").rows(slice(None)), rtol=1e-5, atol=1e-7)
+    plans = [make_plan(index_config(saved_model, data, tmp_path / "p", f"grads.recompute_layers={flag}")) for flag in ("false", "true")]
+    assert plans[1]["activation_bytes_per_token"] < plans[0]["activation_bytes_per_token"]

@@ -218,7 +218,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
     if autocast is not None:  # autocast keeps a low-precision copy of every Linear weight for backward
         weights += sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * torch.empty((), dtype=autocast).element_size()
-    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code, autocast=autocast)
+    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code, autocast=autocast, recompute_layers=g.recompute_layers)
 
     counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
     lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
