@@ -17,7 +17,8 @@ Scored through the product: the training rows of each (model, filter, k) are wri
 (float16, with the statistics it gathers) and ranked by `Index.topk(precondition=..., damping=...)`
 with per-module cosine (the default score). Query rows are rounded to float16 first, as the query
 recipe does. Settings:
-  precondition  none; diag (damping 0.1); fisher (damping 0.1 and 1.0; k = 16 only: at k = 32 the
+  precondition  none; diag (damping 0.1, and 1.0 from the fact and distractor runs on); fisher
+                (damping 0.1 and 1.0, and 3.0 from the fact and distractor runs on; k = 16 only: at k = 32 the
                 index's 150 rows are far fewer than k² = 1024, so F is mostly damping, and the
                 eigendecompositions of 211 1024×1024 blocks cost more than the rest of the cell;
                 k = 64 keeps no k²×k² statistics at all); adam (fine-tuned model only: the training
@@ -56,7 +57,7 @@ from gradian_lightning.index.writer import IndexWriter
 KINDS = ("fact", "newword", "reversal", "format", "backdoor", "distractor")
 DIMS = (16, 32, 64)
 FILTERS = ("down_proj", "mlp", "all-linear")
-SETTINGS = [("none", 0.0), ("diag", 0.1), ("fisher", 0.1), ("fisher", 1.0)]
+SETTINGS = [("none", 0.0), ("diag", 0.1), ("diag", 1.0), ("fisher", 0.1), ("fisher", 1.0), ("fisher", 3.0)]
 FISHER_DIMS = (16,)
 PLOT = Path(__file__).parent / "results" / "ranking_grid.png"
 
@@ -299,6 +300,16 @@ def report(results: Optional[Dict[str, Dict]] = None) -> str:
                 worst.append(w)
         mean = f"{sum(worst) / len(worst):.3f} | {min(worst):.2f}" if len(worst) == len(kinds) else "— | —"
         lines.append(f"| {recipe[0]} | {recipe[1]} | {recipe[2]} | {recipe[3]} | " + " | ".join(row) + f" | {mean} |")
+    swept = [kind for kind in kinds if (kind, "pretrained", "mlp", "16", "fisher", 3.0) in table]
+    if swept:
+        lines += ["", "#### damping, where it was swept: MRR pretrained / fine-tuned (own) / fine-tuned (base+ft), k = 16", "",
+                  "| filter | precondition | damping | " + " | ".join(swept) + " |", "|---|---|---|" + "---|" * len(swept)]
+        for f in FILTERS:
+            for p, d in SETTINGS:
+                if p == "none":
+                    continue
+                row = [" / ".join(f"{table[(kind, c, f, '16', p, d)]['mrr']:.2f}" for c in ("pretrained", "ft-last", "ft-base+ft")) for kind in swept]
+                lines.append(f"| {f} | {p} | {d} | " + " | ".join(row) + " |")
     adam = [(kind, r) for (kind, case, f, d, p, l), r in table.items() if p == "adam"]
     if adam:
         lines += ["", "#### adam (fine-tuned model only): MRR own checkpoint / base+ft, against none", "",
@@ -333,7 +344,7 @@ def against_exact(results: Dict[str, Dict], recipe: tuple) -> str:
 
 
 def plot(results: Optional[Dict[str, Dict]] = None, path: Path = PLOT) -> Path:
-    """MRR against k per filter (precondition none, per-module cosine), pretrained and fine-tuned (base+ft), mean over kinds; exact as dashed lines."""
+    """MRR against k per filter and precondition (none, diag; fisher 1.0 at k = 16 as a star), mean over kinds, per case; exact as dashed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -348,6 +359,8 @@ def plot(results: Optional[Dict[str, Dict]] = None, path: Path = PLOT) -> Path:
             for p, style in (("none", "-o"), ("diag", "-s")):
                 ys = [sum(table[(kd, case, f, str(d), p, 0.0 if p == "none" else 0.1)]["mrr"] for kd in kinds) / len(kinds) for d in DIMS]
                 ax.plot(DIMS, ys, style, color=f"C{i}", label=f"{f}, {p}", alpha=1.0 if p == "none" else 0.6)
+            fisher = sum(table[(kd, case, f, "16", "fisher", 1.0)]["mrr"] for kd in kinds) / len(kinds)
+            ax.plot([16], [fisher], "*", color=f"C{i}", markersize=11, label=f"{f}, fisher 1.0")
             exact = sum(table[(kd, case, f, "exact", "none", 0.0)]["mrr"] for kd in kinds) / len(kinds)
             ax.axhline(exact, color=f"C{i}", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
