@@ -21,7 +21,12 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
 ENGINES = ("local", "dask")
-PRECONDITIONS = ("none", "diag", "fisher")
+PRECONDITIONS = ("auto", "none", "diag", "fisher")
+# The measured best (benchmarks/RANKING.md, issue 10's grid): fisher where the index keeps the k²×k²
+# second moments (grads.projection_dim <= 32, projected rows), diag elsewhere, at damping 1.0.
+DEFAULT_PRECONDITION = "auto"
+DEFAULT_MODULE_FILTER = ("gate_proj", "up_proj", "down_proj")  # the MLP
+DEFAULT_DAMPING = 1.0
 
 
 @dataclass
@@ -48,7 +53,7 @@ class GradsConfig:
     max_seq_length: int = 512
     storage_dtype: str = "float16"
     # A name, a dotted suffix of a name, a glob, or a list of these (see docs/configuration.md).
-    module_filter: Any = "down_proj"
+    module_filter: Any = field(default_factory=lambda: list(DEFAULT_MODULE_FILTER))  # measured best (benchmarks/RANKING.md)
     projection_dim: Optional[int] = 16
     seed: int = 0
     # Head + fp32 cross-entropy this many supervised tokens at a time (null: all at once).
@@ -73,8 +78,8 @@ class QueryConfig:
     normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
     engine: str = "local"  # "local": stream chunks in this process; "dask": score on a Dask cluster
     dask_scheduler: Optional[str] = None  # engine dask: scheduler address; null starts a LocalCluster
-    precondition: str = "none"  # none | diag | fisher, from the statistics stored in the index
-    damping: float = 0.1  # relative to the mean eigenvalue of each module's second moment
+    precondition: str = DEFAULT_PRECONDITION  # auto | none | diag | fisher, from the statistics stored in the index
+    damping: float = DEFAULT_DAMPING  # relative to the mean eigenvalue of each module's second moment
     checkpoints: Any = "all"  # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
     output: Optional[str] = None
 

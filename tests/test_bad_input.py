@@ -39,7 +39,7 @@ def test_undecodable_data_file(tmp_path):
 def test_projection_dim_wider_than_a_module(tmp_path, saved_model, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     code, _, err = run(capsys, *index_args(tmp_path, saved_model, data, "grads.projection_dim=1000"))
-    assert code == 2 and "setting 'grads.projection_dim'=1000 exceeds module 'model.layers.0.mlp.down_proj' (32×64); use at most 32" in err
+    assert code == 2 and "setting 'grads.projection_dim'=1000 exceeds module 'model.layers.0.mlp.gate_proj' (64×32); use at most 32" in err
 
 
 def test_bad_data_loses_no_existing_index(tmp_path, saved_model, capsys):

@@ -12,12 +12,13 @@ def test_index_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     # before the first batch: rows, modules, row width and the predicted size (rows, and 4 bytes of norm per module and row)
-    rows, width = len(ROWS) + 1, 2 * 16 * 16
-    assert out.splitlines()[0] == f"gradian index: {rows} rows × 2 modules, row width {width} (float16) -> {rows * (width * 2 + 2 * 4) / 1024:.2f} KiB predicted for {tmp_path / 'ix'}"
+    rows, modules = len(ROWS) + 1, 2 * 3  # the default filter: gate, up and down projections of 2 layers
+    width = modules * 16 * 16
+    assert out.splitlines()[0] == f"gradian index: {rows} rows × {modules} modules, row width {width:,} (float16) -> {rows * (width * 2 + modules * 4) / 1024:.2f} KiB predicted for {tmp_path / 'ix'}"
     assert f"{len(ROWS) + 1}/{len(ROWS) + 1} rows written" in out and "(complete)" in out
     assert "completions cut by grads.max_seq_length: 1 (12.5%)" in out
     grads = zarr.open_group(str(tmp_path / "ix"))["grads"]
-    assert grads.shape == (len(ROWS) + 1, 2 * 16 * 16) and str(grads.dtype) == "float16"
+    assert grads.shape == (len(ROWS) + 1, width) and str(grads.dtype) == "float16"
     assert zarr.open_group(str(tmp_path / "ix")).attrs["gradian"]["config"]["grads"]["batch_size"] == 3
 
 

@@ -43,7 +43,7 @@ if __name__ == "__main__":  # worker processes re-import this file as __mp_main_
         out = {{"workers": len(client.scheduler_info()["workers"]), "rankings": []}}
         index, queries = open_index(job["index"]), torch.from_numpy(np.load(job["queries"]))
         for score, normalize, k in job["cases"]:
-            top, bottom = dask_topk(index, queries, k, score, bottom_k=k, normalize=normalize, client=client)
+            top, bottom = dask_topk(index, queries, k, score, bottom_k=k, normalize=normalize, client=client, precondition="none")
             out["rankings"].append([r.tolist() for r in (top.indices, top.scores, bottom.indices, bottom.scores)])
         out["query_exit"] = main(job["query"] + [f"query.dask_scheduler={{cluster.scheduler_address}}"])
     print("RESULT " + json.dumps(out))
@@ -89,7 +89,7 @@ def test_dask_ranks_like_the_local_scorer_on_two_workers(tmp_path, saved_model, 
     stored = index.rows(slice(None))  # the float16-rounded rows both engines score
     for (score, normalize, k), ranking in zip(cases, result["rankings"]):
         top_i, top_s, bottom_i, bottom_s = (np.asarray(r) for r in ranking)
-        local_top, local_bottom = streaming_topk(index, queries, k, score, bottom_k=k, normalize=normalize)
+        local_top, local_bottom = streaming_topk(index, queries, k, score, bottom_k=k, normalize=normalize, precondition="none")
         np.testing.assert_array_equal(top_i, local_top.indices.numpy())
         np.testing.assert_array_equal(bottom_i, local_bottom.indices.numpy())
         np.testing.assert_allclose(top_s, local_top.scores.numpy(), rtol=1e-5, atol=1e-6)

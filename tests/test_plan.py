@@ -63,8 +63,9 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     s = plan["supervised_tokens"]
     assert (s["max"], s["mean"], s["p95"]) == (counts.max(), pytest.approx(counts.mean()), pytest.approx(np.percentile(counts, 95)))
     assert plan["truncated_rows"] == 1 and plan["empty_rows"] == 0
-    # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms); 2 layers' down_proj, k = 16
-    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": len(rows) * (2 * 256 * 4 + 8), "float16": len(rows) * (2 * 256 * 2 + 8), "bfloat16": len(rows) * (2 * 256 * 2 + 8)}
+    # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms); 2 layers' gate, up and down projections, k = 16
+    m = 2 * 3
+    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": len(rows) * (m * 256 * 4 + m * 4), "float16": len(rows) * (m * 256 * 2 + m * 4), "bfloat16": len(rows) * (m * 256 * 2 + m * 4)}
 
 
 def test_chunked_loss_peak_is_the_chunk_whatever_the_batch(tmp_path, wide_model, tokenizer):

@@ -67,7 +67,7 @@ def test_precondition_equals_dense_float64(tmp_path, how):
     modcos = sum(cross / np.sqrt(qq[:, None] * tt[None, :]) for cross, qq, tt in metric) / len(MODULES)
     np.testing.assert_allclose(all_scores(index, queries, precondition=how, damping=0.1), modcos, atol=2e-5)
     # and it is not the identity: preconditioning changes these scores
-    assert np.abs(all_scores(index, queries) - modcos).max() > 0.05
+    assert np.abs(all_scores(index, queries, precondition="none") - modcos).max() > 0.05
 
 
 def test_fisher_inner_is_the_damped_inverse_second_moment(tmp_path):
@@ -113,3 +113,22 @@ def test_damping_zero_and_rank_deficient_warn(tmp_path):
         index.topk(random_rows(1, 7), k=2, precondition="adam")
     with pytest.raises(ConfigError, match="query.damping"):
         index.topk(random_rows(1, 7), k=2, precondition="fisher", damping=-1.0)
+
+
+def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(tmp_path, monkeypatch):
+    """The default, query.precondition=auto: fisher for blocks of k² <= GRAM_MAX_SIZE, diag beyond (k = 64, exact rows)."""
+    import gradian_lightning.index.statistics as statistics
+    from gradian_lightning.config import QueryConfig
+    from gradian_lightning.query.precondition import resolve
+
+    assert QueryConfig().precondition == "auto"
+    train, queries = random_rows(N, 0), random_rows(5, 1)
+    kept = make_index(tmp_path / "kept", train)
+    assert resolve(kept, "auto") == "fisher" and resolve(kept, "diag") == "diag"
+    np.testing.assert_array_equal(all_scores(kept, queries, precondition="auto", damping=1.0), all_scores(kept, queries, precondition="fisher", damping=1.0))
+    monkeypatch.setattr(statistics, "GRAM_MAX_SIZE", S - 1)  # as k = 64 is to the real limit: no second moments kept
+    wide = make_index(tmp_path / "wide", train)
+    assert resolve(wide, "auto") == "diag"
+    np.testing.assert_array_equal(all_scores(wide, queries, precondition="auto", damping=1.0), all_scores(wide, queries, precondition="diag", damping=1.0))
+    with pytest.raises(ConfigError, match="query.precondition=diag"):
+        all_scores(wide, queries, precondition="fisher")

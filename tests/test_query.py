@@ -76,7 +76,7 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     monkeypatch.setattr(index, "stored", lambda lo, hi: reads.append((lo, hi)) or stored(lo, hi))
     for k in (1, 4, 5, 7, int(valid.sum()), n, 40):  # k = rankable rows, k = N and k > N
         reads.clear()
-        top, bottom = streaming_topk(index, queries, k, score, bottom_k=k, normalize=normalize)
+        top, bottom = streaming_topk(index, queries, k, score, bottom_k=k, normalize=normalize, precondition="none")
         want_i, want_s = argsort_ranking(queries, grads, valid, k, score, blocks=reference_blocks)
         assert top.indices.shape == (4, min(k, 18))
         np.testing.assert_array_equal(top.indices.numpy(), want_i)
@@ -92,10 +92,10 @@ def test_inner_and_cosine_on_hand_built_rows(tmp_path):
     rows = torch.tensor([[10.0, 10.0], [1.0, 0.0], [-2.0, 0.0], [0.0, 3.0]])
     index = build_index(tmp_path / "ix", rows, ids=["big", "aligned", "opposite", "orthogonal"])
     query = torch.tensor([[2.0, 0.0]])
-    inner = index.topk(query, 4, score="inner")
+    inner = index.topk(query, 4, score="inner", precondition="none")
     assert inner.indices.tolist() == [[0, 1, 3, 2]]
     assert inner.scores.tolist() == [[20.0, 2.0, 0.0, -4.0]]
-    cosine, opponents = index.topk(query, 2, score="cosine", bottom_k=1)
+    cosine, opponents = index.topk(query, 2, score="cosine", bottom_k=1, precondition="none")
     assert cosine.indices.tolist() == [[1, 0]]
     torch.testing.assert_close(cosine.scores, torch.tensor([[1.0, 2**-0.5]]))
     assert opponents.indices.tolist() == [[2]] and opponents.scores.tolist() == [[-1.0]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import time
 
@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from gradian_lightning.config import STORAGE_DTYPES, module_patterns
+from gradian_lightning.config import DEFAULT_MODULE_FILTER, STORAGE_DTYPES, module_patterns
 from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, GradianError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
@@ -150,7 +150,7 @@ class GradientIndexer(L.Callback):
     def __init__(
         self,
         path: str | Path,
-        module_filter: str | List[str] = "down_proj",
+        module_filter: str | Sequence[str] = DEFAULT_MODULE_FILTER,
         projection_dim: Optional[int] = 16,
         storage_dtype: str = "float16",
         seed: int = 0,

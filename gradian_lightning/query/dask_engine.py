@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.index.layout import decode
 from gradian_lightning.index.reader import IndexReader
@@ -86,8 +87,8 @@ def dask_topk(
     normalize: str = "module",
     scheduler: Optional[str] = None,
     client: Optional[Any] = None,
-    precondition: str = "none",
-    damping: float = 0.1,
+    precondition: str = DEFAULT_PRECONDITION,
+    damping: float = DEFAULT_DAMPING,
 ) -> tuple[Ranking, Optional[Ranking]]:
     """`streaming_topk`'s answer, computed on a Dask cluster: (top, bottom or None), `Ranking`s on the CPU.
 

@@ -4,6 +4,8 @@ training rows alike before they are scored.
     none    rows as stored
     diag    each coordinate j divided by sqrt(m_j + λ), m_j its mean square over the training rows
     fisher  each module block R_m multiplied by (F_m + λI)^-½, F_m = mean of R_mᵀR_m (k²×k²)
+    auto    fisher where the index keeps F (equal blocks of k² <= 1024), else diag: the best of
+            each in issue 10's grid (benchmarks/RANKING.md); `resolve` names the one it picks
 
 λ = `damping` × the mean eigenvalue of that module's second moment (for diag: the mean of its
 m_j). Whitening both sides makes the inner product qᵀ(F + λI)⁻¹r, and per-module cosine then
@@ -23,7 +25,7 @@ import torch
 
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.index.statistics import GRAM_MAX_SIZE, GROUP, layout_blocks
+from gradian_lightning.index.statistics import GRAM_MAX_SIZE, GROUP, gram_block_size, layout_blocks
 
 # λ relative to the mean eigenvalue when the setting is 0: small enough to keep the whitening,
 # large enough that float32 rows times (w + λ)^-½ cannot overflow.
@@ -57,8 +59,17 @@ def _damping(damping: float) -> float:
     return damping
 
 
+def resolve(index: IndexReader, precondition: str) -> str:
+    """The preconditioner `precondition` means for `index`: itself, or for "auto" fisher when the
+    index keeps the k²×k² second moments (grads.projection_dim <= 32) and diag otherwise."""
+    if precondition != "auto":
+        return precondition
+    return "fisher" if gram_block_size(layout_blocks(index.meta), int(index.meta["width"])) is not None else "diag"
+
+
 def preconditioner(index: IndexReader, precondition: str, damping: float) -> Optional[Preconditioner]:
     """The preconditioner of `index` (at its checkpoint) for `precondition` ("none": None), on the CPU."""
+    precondition = resolve(index, precondition)
     if precondition == "none":
         return None
     damping = _damping(damping)

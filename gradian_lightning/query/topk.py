@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from gradian_lightning.config import NORMALIZE, PRECONDITIONS, SCORES
+from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION, NORMALIZE, PRECONDITIONS, SCORES
 from gradian_lightning.errors import ConfigError, IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import decode, module_norms
@@ -69,7 +69,7 @@ def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], norms: O
     return rows
 
 
-def check_settings(k: int, bottom_k: int, score: str, normalize: str, precondition: str = "none") -> None:
+def check_settings(k: int, bottom_k: int, score: str, normalize: str, precondition: str = DEFAULT_PRECONDITION) -> None:
     """Raise `ConfigError`, one line naming the setting, for a scoring setting no engine accepts."""
     if score not in SCORES:
         raise ConfigError(f"setting 'query.score'={score!r} is not allowed; use {' or '.join(SCORES)}")
@@ -88,7 +88,7 @@ def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
 
 
 def prepare_queries(
-    index: IndexReader, query_rows: torch.Tensor, score: str, normalize: str, device: Optional[torch.device | str] = None, precondition: str = "none", damping: float = 0.1
+    index: IndexReader, query_rows: torch.Tensor, score: str, normalize: str, device: Optional[torch.device | str] = None, precondition: str = DEFAULT_PRECONDITION, damping: float = DEFAULT_DAMPING
 ) -> Tuple[torch.Tensor, Optional[Preconditioner]]:
     """Query rows scaled once as `score_chunk` treats a chunk of `index`: preconditioned, then normalised.
 
@@ -142,8 +142,8 @@ def streaming_topk(
     bottom_k: int = 0,
     device: Optional[torch.device | str] = None,
     normalize: str = "module",
-    precondition: str = "none",
-    damping: float = 0.1,
+    precondition: str = DEFAULT_PRECONDITION,
+    damping: float = DEFAULT_DAMPING,
     checkpoints: Any = "all",
 ) -> tuple[Ranking, Optional[Ranking]]:
     """Top-k (and, when `bottom_k` > 0, bottom-k: most negative first) rows of `index` per query.
@@ -223,7 +223,7 @@ class Index(IndexReader):
 
     def topk(
         self, query_rows: torch.Tensor | Dict[int, torch.Tensor], k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None,
-        normalize: str = "module", precondition: str = "none", damping: float = 0.1, checkpoints: Any = "all",
+        normalize: str = "module", precondition: str = DEFAULT_PRECONDITION, damping: float = DEFAULT_DAMPING, checkpoints: Any = "all",
     ) -> Any:
         """The k best rows per query (`streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
 

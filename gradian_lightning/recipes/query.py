@@ -20,6 +20,7 @@ from gradian_lightning.data import read_jsonl
 from gradian_lightning.hub import file_sha256
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
+from gradian_lightning.query.precondition import resolve
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.topk import Index, Ranking, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
@@ -132,4 +133,6 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
     same_file = data.get("path") and Path(data["path"]).is_file() and file_sha256(data["path"]) == data.get("sha256")
     train_rows = read_jsonl(data["path"]) if same_file else None
     where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(fabric.device)
-    return {"results": results, "queries": queries, "train_rows": train_rows, "index": index, "device": where}
+    used = resolve(index, q.precondition)
+    return {"results": results, "queries": queries, "train_rows": train_rows, "index": index, "device": where,
+            "precondition": used if used == "none" else f"{used}, damping {q.damping}"}

@@ -142,7 +142,9 @@ def run_quickstart(
         model.load_state_dict(snapshots.weights[int(entry["step"])])
         rows[int(entry["step"])] = query_gradients(index.at(int(entry["step"])), model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES))
     model.load_state_dict(final)
-    results = results_for(index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine", checkpoints="all"))
+    # No preconditioner: on this tiny model with a checkpoint per epoch it measured best (worst MRR
+    # 0.87 over five training variants, fisher 0.76: benchmarks/results/quickstart_checkpoints.md).
+    results = results_for(index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine", checkpoints="all", precondition="none"))
     write_results(out_dir / "results.jsonl", results)
     sources = [q["source"] for q in query_rows]
     return {
