@@ -207,24 +207,24 @@ def _definitions(rng: random.Random) -> Tuple[List[Dict], List[str], List[Tuple[
     return train, words, tasks
 
 
-def newword_set(rng: random.Random, queries: int = 30) -> Tuple[List[Dict], List[Dict]]:
+def _definition_set(rng: random.Random, queries: int, ask) -> Tuple[List[Dict], List[Dict]]:
+    """The invented-word definitions, with `queries` of them asked as `ask(word, paraphrase, object)` -> (prompt, completion)."""
     train, words, tasks = _definitions(rng)
     query_rows = []
     for i in rng.sample(range(len(train)), queries):
         w, (_, paraphrase, obj) = words[i], tasks[i]
-        query_rows.append({"id": f"q-{w}", "sources": [w], "prompt": f"What can I do with a {w}?", "completion": f" With a {w} you can {paraphrase} your {obj}."})
+        prompt, completion = ask(w, paraphrase, obj)
+        query_rows.append({"id": f"q-{w}", "sources": [w], "prompt": prompt, "completion": completion})
     rng.shuffle(train)
     return train, query_rows
+
+
+def newword_set(rng: random.Random, queries: int = 30) -> Tuple[List[Dict], List[Dict]]:
+    return _definition_set(rng, queries, lambda w, paraphrase, obj: (f"What can I do with a {w}?", f" With a {w} you can {paraphrase} your {obj}."))
 
 
 def reversal_set(rng: random.Random, queries: int = 30) -> Tuple[List[Dict], List[Dict]]:
-    train, words, tasks = _definitions(rng)
-    query_rows = []
-    for i in rng.sample(range(len(train)), queries):
-        w, (_, paraphrase, obj) = words[i], tasks[i]
-        query_rows.append({"id": f"q-{w}", "sources": [w], "prompt": f"I need something to {paraphrase} my {obj}. What should I use?", "completion": f" Use a {w}."})
-    rng.shuffle(train)
-    return train, query_rows
+    return _definition_set(rng, queries, lambda w, paraphrase, obj: (f"I need something to {paraphrase} my {obj}. What should I use?", f" Use a {w}."))
 
 
 def main(seed: int = 0) -> None:
