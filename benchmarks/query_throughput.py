@@ -8,8 +8,12 @@ Then, interleaved `--repeats` times, for each query count Q in `--queries` (defa
                                (zarr read + float16 -> float32, the fastest decode the scorer has);
                                context: `IndexReader.chunks()`, which decodes into fresh tensors;
   - floor (ii), fp32 GEMM:     one `[Q, D] @ [D, N]` float32 matmul over rows already in memory;
-  - streaming top-k:           `streaming_topk` (cosine per module, the default; top 10): read + decode +
-                               per-module scaling by the stored norms + one [Q, D] x [D, c] matmul per chunk + merge.
+  - streaming top-k:           `streaming_topk` (cosine per module, no preconditioner; top 10): read +
+                               decode + per-module scaling by the stored norms + one [Q, D] x [D, c]
+                               matmul per chunk + merge;
+  - the default scoring:       the same with `query.precondition=auto` (fisher here: 16 blocks of k² =
+                               256) at damping 1.0, which adds one [c, 256] x [256, 256] product per
+                               module and chunk; reported beside the target, not in it.
 The target: streaming top-k at >= 70% of the throughput of the slower floor, at every Q. Context: a
 NumPy read of the same bytes into one reused buffer (a memory copy). GB/s counts the raw float16
 bytes of the rows (N × width × 2), 10⁹ bytes per GB.
@@ -96,13 +100,14 @@ def main() -> None:
         def gemm(q: int):
             return lambda: queries[q] @ dense
 
-        def topk(q: int):
-            return lambda: index.topk(queries[q], 10, score="cosine")
+        def topk(q: int, precondition: str = "none"):
+            return lambda: index.topk(queries[q], 10, score="cosine", precondition=precondition, damping=1.0)
 
         runs = {"numpy read": numpy_read, "read + decode": read_decode, "chunks()": chunk_read}
         for q in counts:
             runs[f"gemm Q={q}"] = gemm(q)
             runs[f"top-k Q={q}"] = topk(q)
+            runs[f"default Q={q}"] = topk(q, "auto")
         for fn in runs.values():  # warm the page cache and the code paths
             fn()
         seconds = {name: [] for name in runs}
@@ -121,15 +126,15 @@ def main() -> None:
         slower = min(gbps["read + decode"], gbps[f"gemm Q={q}"])
         rows_out.append([
             q, f"{gbps['read + decode']:.2f}", f"{gbps[f'gemm Q={q}']:.2f}", f"{gbps[f'top-k Q={q}']:.2f}", f"{gbps[f'top-k Q={q}'] / slower:.2f}",
-            "met" if gbps[f"top-k Q={q}"] >= 0.7 * slower else "not met",
+            "met" if gbps[f"top-k Q={q}"] >= 0.7 * slower else "not met", f"{gbps[f'default Q={q}']:.2f}",
         ])
         points.append({"q": q, "read": gbps["read + decode"], "gemm": gbps[f"gemm Q={q}"], "topk": gbps[f"top-k Q={q}"]})
     body = (
         f"{args.rows} × {args.width} float16 rows in {modules} equal modules = {fmt_bytes(raw_bytes)} raw, {fmt_bytes(on_disk)} on disk as zarr grads "
-        f"(chunks of {chunk_rows} rows); {args.threads} torch thread(s); cosine per module (the default), top 10; "
+        f"(chunks of {chunk_rows} rows); {args.threads} torch thread(s); cosine per module, top 10; "
         f"warm page cache; medians of {args.repeats} interleaved runs. Context: a NumPy read of the same bytes into one reused buffer runs at "
         f"{gbps['numpy read']:.2f} GB/s (a memory copy); `IndexReader.chunks()`, decoding into fresh tensors, at {gbps['chunks()']:.2f} GB/s.\n\n"
-        + table(["Q", "floor (i) read + decode GB/s", "floor (ii) fp32 GEMM GB/s", "streaming top-k GB/s", "top-k / slower floor", "≥ 0.70 of the slower floor"], rows_out)
+        + table(["Q", "floor (i) read + decode GB/s", "floor (ii) fp32 GEMM GB/s", "streaming top-k GB/s", "top-k / slower floor", "≥ 0.70 of the slower floor", "default scoring (auto = fisher, damping 1.0) GB/s"], rows_out)
     )
     write_result("query_throughput", command_line(), body, args.out)
     plot(points, args.out)
