@@ -68,8 +68,8 @@ def main() -> None:
         client = Client(cluster)
         cluster_start = time.perf_counter() - start
         try:
-            local = lambda: streaming_topk(index, queries, 10, "cosine", bottom_k=10)  # noqa: E731
-            dask = lambda: dask_topk(index, queries, 10, "cosine", bottom_k=10, client=client)  # noqa: E731
+            local = lambda: streaming_topk(index, queries, 10, "cosine", bottom_k=10, precondition="none")  # noqa: E731  (as measured in RESULTS.md)
+            dask = lambda: dask_topk(index, queries, 10, "cosine", bottom_k=10, client=client, precondition="none")  # noqa: E731
             local()  # warm the page cache
             start = time.perf_counter()
             first = dask()  # the workers import torch and gradian and open the store
