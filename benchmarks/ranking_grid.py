@@ -218,6 +218,8 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
     filters = module_filters(names)
     picks = {f: [i for i, n in enumerate(names) if filters[f](n)] for f in FILTERS}
     scores: Dict[tuple, torch.Tensor] = {}
+    # Gram statistics only where fisher is scored (they cost minutes per 211 modules at k = 32).
+    statistics.GRAM_MAX_SIZE = max(d * d for d in FISHER_DIMS)
     with tempfile.TemporaryDirectory() as tmp:
         for name, (t, q) in captured.items():
             for f, picked in picks.items():
@@ -225,8 +227,6 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
                 for k in DIMS:
                     cols, blocks = filter_columns(names, picked, k)
                     settings = [s for s in SETTINGS if s[0] != "fisher" or k in FISHER_DIMS]
-                    # Gram statistics only where fisher is scored (they cost minutes per 211 modules at k = 32).
-                    statistics.GRAM_MAX_SIZE = max(d * d for d in FISHER_DIMS)
                     for variant in ("plain", "adam"):
                         if (variant, k) not in t.projected:
                             continue

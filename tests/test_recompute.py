@@ -12,7 +12,7 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.gradients.recompute import decoder_layers
+from gradian_lightning.gradients.recompute import decoder_layers, recomputed_layers
 
 from conftest import ROWS, ValidateOnly, make_model
 from test_gradients import examples
@@ -76,16 +76,26 @@ def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, t
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
 
 
-def test_grads_recompute_layers_reaches_the_indexer_from_the_config(tmp_path, saved_model):
-    """`gradian index ... grads.recompute_layers=true` writes the rows of the default path, and plan models it."""
+def test_grads_recompute_layers_reaches_the_indexer_from_the_config(tmp_path, saved_model, monkeypatch):
+    """`gradian index ... grads.recompute_layers=true` recomputes the layers and writes the rows of the default path, and plan models it."""
+    import gradian_lightning.gradients.batch as batch_module
     from conftest import write_jsonl
     from gradian_lightning.recipes.index import run_index
     from gradian_lightning.recipes.plan import make_plan
     from test_remote_store import index_config
 
+    calls = []
+
+    def counted(model, capture):
+        calls.append(len(decoder_layers(model)))
+        return recomputed_layers(model, capture)
+
+    monkeypatch.setattr(batch_module, "recomputed_layers", counted)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     kept = run_index(index_config(saved_model, data, tmp_path / "kept"))
+    assert calls == []
     recomputed = run_index(index_config(saved_model, data, tmp_path / "recomputed", "grads.recompute_layers=true"))
+    assert calls and all(n > 0 for n in calls)  # every batch ran with its decoder layers recomputed
     assert kept["rows"] == recomputed["rows"] == len(ROWS)
     torch.testing.assert_close(open_index(tmp_path / "recomputed").rows(slice(None)), open_index(tmp_path / "kept").rows(slice(None)), rtol=1e-5, atol=1e-7)
     plans = [make_plan(index_config(saved_model, data, tmp_path / "p", f"grads.recompute_layers={flag}")) for flag in ("false", "true")]

@@ -54,8 +54,8 @@ def projected_gradients(
     projected in the forward hook, so only [B, T, k] of each is kept through the backward.
     With `recompute_layers` each decoder layer keeps only its input and is run again in the
     backward (recompute.py): on SmolLM2 0.57x the plain step's peak RSS instead of 0.67x, for one
-    more forward of the layers (+45-80% indexing time; benchmarks/RESULTS.md, capture overhead);
-    the rows are the same.
+    more forward of the layers (indexing loop 0.76x the plain step instead of 0.58x on a quiet
+    machine; benchmarks/RESULTS.md, capture overhead); the rows are the same.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if loss_chunk_tokens is not None and any(m is head for m in capture.modules.values()):

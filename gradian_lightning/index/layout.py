@@ -74,14 +74,22 @@ def decode(stored: np.ndarray, storage_dtype: str, out: Optional[torch.Tensor] =
     return rows.float() if out is None else out.copy_(rows)
 
 
+def equal_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[int]:
+    """The common size s of module blocks that tile a row of `width` in equal parts (projected
+    rows: s = k²), so that rows can be viewed as [n, M, s]; None otherwise (exact rows)."""
+    sizes = {int(b["size"]) for b in blocks}
+    if len(sizes) == 1 and sum(int(b["size"]) for b in blocks) == width:
+        return sizes.pop()
+    return None
+
+
 def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
     """float32 [n, M]: the L2 norm of each module block ({"offset", "size"}) of float32 `rows` [n, D].
 
     The writer stores these for the stored (decoded) rows; a reader of an index without them
     computes them with this same function, so both give the same bits.
     """
-    sizes = {int(b["size"]) for b in blocks}
-    if len(sizes) == 1 and sum(int(b["size"]) for b in blocks) == rows.shape[1]:  # projected: equal k² blocks
+    if equal_block_size(blocks, rows.shape[1]) is not None:  # projected: one norm over a [n, M, k²] view
         return torch.linalg.vector_norm(rows.view(rows.shape[0], len(blocks), -1), dim=2)
     return torch.stack([torch.linalg.vector_norm(rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])], dim=1) for b in blocks], dim=1)
 

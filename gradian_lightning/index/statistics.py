@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import zarr
 
+from gradian_lightning.index.layout import equal_block_size
+
 # gram is s² float64 per module: 8 MiB per module at k = 32 (s = 1024). Beyond that (k = 64:
 # 128 MiB per module) only the per-coordinate sums are kept, and `fisher` is not available.
 GRAM_MAX_SIZE = 1024
@@ -35,11 +37,8 @@ GROUP = "statistics"
 
 def gram_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[int]:
     """The common block size s when the k²×k² second moments are kept, else None."""
-    sizes = {int(b["size"]) for b in blocks}
-    if len(sizes) != 1 or sum(int(b["size"]) for b in blocks) != width:
-        return None
-    size = sizes.pop()
-    return size if size <= GRAM_MAX_SIZE else None
+    size = equal_block_size(blocks, width)
+    return size if size is not None and size <= GRAM_MAX_SIZE else None
 
 
 def layout_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:

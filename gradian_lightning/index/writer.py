@@ -118,7 +118,8 @@ class IndexWriter:
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
-        group.create_array(NORMS, shape=(self.num_rows, len(layout_blocks(self.meta))), chunks=(row_chunk, len(layout_blocks(self.meta))), dtype=np.float32, fill_value=0.0)
+        modules = len(layout_blocks(self.meta))
+        group.create_array(NORMS, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0)
         group.attrs[ATTRIBUTE] = self.meta
         return group
 

@@ -20,7 +20,7 @@ import torch
 from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION, NORMALIZE, PRECONDITIONS, SCORES
 from gradian_lightning.errors import ConfigError, IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
-from gradian_lightning.index.layout import decode, module_norms
+from gradian_lightning.index.layout import decode, equal_block_size, module_norms
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner
 
@@ -60,8 +60,7 @@ def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], norms: O
     """
     norms = module_norms(rows, blocks) if norms is None else norms.to(rows.device)
     inverse = norms.clamp_min(torch.finfo(rows.dtype).tiny).reciprocal_()
-    sizes = {int(b["size"]) for b in blocks}
-    if len(sizes) == 1 and sum(int(b["size"]) for b in blocks) == rows.shape[1]:  # projected: equal k² blocks
+    if equal_block_size(blocks, rows.shape[1]) is not None:  # projected: one multiply over a [n, M, k²] view
         rows.view(rows.shape[0], len(blocks), -1).mul_(inverse[:, :, None])
         return rows
     for m, b in enumerate(blocks):
