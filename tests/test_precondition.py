@@ -5,10 +5,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from gradian_lightning import open_index
+from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query.topk import uses_whitened_norms
 
 N, S = 40, 9  # rows; block size k² with k = 3
 MODULES = [{"name": f"m{i}", "offset": i * S, "size": S} for i in range(3)]
@@ -132,3 +135,46 @@ def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(
     np.testing.assert_array_equal(all_scores(wide, queries, precondition="auto", damping=1.0), all_scores(wide, queries, precondition="diag", damping=1.0))
     with pytest.raises(ConfigError, match="query.precondition=diag"):
         all_scores(wide, queries, precondition="fisher")
+
+
+@pytest.mark.parametrize("score,normalize", [("cosine", "module"), ("cosine", "row"), ("inner", "module")])
+def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, score, normalize):
+    """At the default damping the writer stores each row's whitened per-module norms, and fisher
+    whitens only the queries (twice): the dense float64 metric's scores, and the same scores as
+    whitening every chunk (what an index whose close was killed before the norms were recorded gets)."""
+    train, queries = random_rows(N, 0), random_rows(5, 1)
+    index = make_index(tmp_path / "ix", train)
+    assert index.whitened_damping == DEFAULT_DAMPING and uses_whitened_norms(index, score, "fisher", DEFAULT_DAMPING)
+    metric = dense_metric(train, queries, "fisher", DEFAULT_DAMPING)
+    np.testing.assert_allclose(index.whitened_norms(0, N).numpy(), np.sqrt(np.stack([tt for _, _, tt in metric], axis=1)), rtol=1e-5)
+    fast = all_scores(index, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING)
+    cross = sum(c for c, _, _ in metric)
+    if score == "inner":
+        want = cross
+    elif normalize == "module":
+        want = sum(c / np.sqrt(qq[:, None] * tt[None, :]) for c, qq, tt in metric) / len(MODULES)
+    else:
+        want = cross / np.sqrt(sum(qq for _, qq, _ in metric)[:, None] * sum(tt for _, _, tt in metric)[None, :])
+    np.testing.assert_allclose(fast, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+    if score == "cosine":
+        del zarr.open_group(str(tmp_path / "ix"), mode="r+")["statistics"].attrs["whitened_damping"]
+        slow = open_index(tmp_path / "ix")
+        assert slow.whitened_damping is None and not uses_whitened_norms(slow, score, "fisher", DEFAULT_DAMPING)
+        np.testing.assert_allclose(all_scores(slow, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING), fast, atol=2e-6)
+    # another damping whitens every chunk: the stored norms are for the default only
+    assert not uses_whitened_norms(index, "cosine", "fisher", 0.5)
+
+
+def test_whitened_norms_are_stored_once_every_row_is_written_and_survive_a_resume(tmp_path):
+    train = random_rows(N, 8)
+    writer = IndexWriter(tmp_path / "ix", N, D, "float32", META, rows_per_chunk=8)
+    writer.write(range(20), train[:20], torch.ones(20), torch.full((20,), 2), torch.zeros(20), [str(i) for i in range(20)])
+    assert not writer.close()  # half written: statistics of 20 rows, no whitened norms yet
+    assert open_index(tmp_path / "ix").whitened_damping is None
+    writer = IndexWriter(tmp_path / "ix", N, D, "float32", META, rows_per_chunk=8)
+    assert writer.kept_rows == 20
+    writer.write(range(N), train, torch.ones(N), torch.full((N,), 2), torch.zeros(N), [str(i) for i in range(N)])
+    assert writer.close()
+    resumed, once = open_index(tmp_path / "ix"), make_index(tmp_path / "once", train)
+    assert resumed.whitened_damping == DEFAULT_DAMPING
+    torch.testing.assert_close(resumed.whitened_norms(0, N), once.whitened_norms(0, N), rtol=1e-6, atol=0)

@@ -6,7 +6,7 @@ It knows nothing of scoring: `gradian_lightning.query` adds ranking on top of it
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.checkpoints import checkpoint_entries
 from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, read_meta
 from gradian_lightning.index.location import Location
-from gradian_lightning.index.statistics import RowStatistics, counted, layout_blocks
+from gradian_lightning.index.statistics import GROUP, WHITENED_DAMPING, WHITENED_NORMS, RowStatistics, counted, layout_blocks
 
 # Bytes of per-row arrays (flags, norms) one read fetches while streaming: see `IndexReader._span`.
 METADATA_READ_BYTES = 4 * 2**20
@@ -45,7 +45,11 @@ class IndexReader:
         self.storage_dtype = self.meta["storage_dtype"]
         self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`
         self._norms_array = self.group[NORMS] if NORMS in self.group.array_keys() else None  # absent in older indexes
-        self._norms: Tuple[int, torch.Tensor] = (0, torch.zeros(0, 0))  # cached block for `stored_norms`
+        self._blocks: Dict[str, Tuple[int, torch.Tensor]] = {}  # name -> (first row, cached rows) for `_per_row`
+        stats = self.group[GROUP] if GROUP in self.group.group_keys() else None
+        # The damping the stored whitened norms are for; None when there are none (or a close was killed before it said so).
+        self.whitened_damping: Optional[float] = stats.attrs.get(WHITENED_DAMPING) if stats is not None else None
+        self._whitened_array = stats[WHITENED_NORMS] if self.whitened_damping is not None else None
 
     def __len__(self) -> int:
         return int(self.meta["num_rows"])
@@ -75,18 +79,24 @@ class IndexReader:
             start = rows.start
         return mask[lo - start : hi - start]
 
+    def _per_row(self, name: str, array, lo: int, hi: int) -> torch.Tensor:
+        # Rows lo..hi-1 of an [N, M] float32 array, read a span at a time (`_span`) and cached.
+        start, block = self._blocks.get(name, (0, torch.zeros(0, 0)))
+        if not (start <= lo and hi <= start + len(block)):
+            rows = self._span(lo, hi, array.chunks[0], 4 * array.shape[1])
+            start, block = rows.start, torch.from_numpy(array[rows])
+            self._blocks[name] = (start, block)
+        return block[lo - start : hi - start]
+
     def stored_norms(self, lo: int, hi: int) -> Optional[torch.Tensor]:
         """float32 [hi - lo, M]: the per-module L2 norms of rows lo..hi-1 as the writer stored them
         (`layout.module_norms` of the decoded rows), or None for an index written before they were stored."""
-        if self._norms_array is None:
-            return None
-        start, block = self._norms
-        if not (start <= lo and hi <= start + len(block)):
-            rows = self._span(lo, hi, self._norms_array.chunks[0], 4 * self._norms_array.shape[1])
-            block = torch.from_numpy(self._norms_array[rows])
-            self._norms = (rows.start, block)
-            start = rows.start
-        return block[lo - start : hi - start]
+        return None if self._norms_array is None else self._per_row(NORMS, self._norms_array, lo, hi)
+
+    def whitened_norms(self, lo: int, hi: int) -> Optional[torch.Tensor]:
+        """float32 [hi - lo, M]: |(F_m + λI)^-½ r_m| of rows lo..hi-1 at λ = `whitened_damping`
+        (statistics.py), or None when the index stores none."""
+        return None if self._whitened_array is None else self._per_row(WHITENED_NORMS, self._whitened_array, lo, hi)
 
     def stored(self, lo: int, hi: int) -> np.ndarray:
         """Rows lo..hi-1 as stored, not decoded ([hi - lo, D] in the storage encoding, `layout.decode` reads it)."""

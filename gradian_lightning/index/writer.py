@@ -12,10 +12,11 @@ import numpy as np
 import torch
 import zarr
 
+from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NORMS, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, decode, encode, module_norms
 from gradian_lightning.index.location import Location
-from gradian_lightning.index.statistics import RowStatistics, counted, layout_blocks
+from gradian_lightning.index.statistics import GROUP, WHITENED_DAMPING, WHITENED_NORMS, RowStatistics, counted, layout_blocks, whiten, whitening_factors
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -188,11 +189,25 @@ class IndexWriter:
         else:
             array.oindex[where] = values
 
+    def _store_whitened_norms(self, eigen: tuple) -> None:
+        """One pass over the rows: each module block's norm after whitening at the default damping
+        (statistics.py: why). The attribute that makes them valid is written last."""
+        factors = torch.from_numpy(whitening_factors(*eigen, DEFAULT_DAMPING)).float()
+        stats = self.group[GROUP]
+        norms = stats.create_array(WHITENED_NORMS, shape=(self.num_rows, len(self.blocks)), chunks=self.group[NORMS].chunks, dtype=np.float32, fill_value=0.0)
+        for lo in range(0, self.num_rows, self.chunk):
+            hi = min(lo + self.chunk, self.num_rows)
+            norms[lo:hi] = module_norms(whiten(decode(self.group["grads"][lo:hi], self.storage_dtype), factors), self.blocks).numpy()
+        stats.attrs[WHITENED_DAMPING] = DEFAULT_DAMPING
+
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
-        """Flush every buffered row, store the row statistics; mark the index complete when every row is. Returns that flag."""
+        """Flush every buffered row, store the row statistics (and, once every row is written, the
+        rows' whitened norms); mark the index complete when every row is. Returns that flag."""
         for c in sorted(self._pending):
             self._flush(c)
         complete = bool(self.done.all())
-        (self.statistics + self._statistics_before()).save(self.group)
+        eigen = (self.statistics + self._statistics_before()).save(self.group)
+        if complete and eigen is not None and self.store_norms:
+            self._store_whitened_norms(eigen)
         self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
         return complete

@@ -25,7 +25,7 @@ import torch
 
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.index.statistics import GRAM_MAX_SIZE, GROUP, gram_block_size, layout_blocks
+from gradian_lightning.index.statistics import GRAM_MAX_SIZE, GROUP, gram_block_size, layout_blocks, whiten, whitening_factors
 
 # λ relative to the mean eigenvalue when the setting is 0: small enough to keep the whitening,
 # large enough that float32 rows times (w + λ)^-½ cannot overflow.
@@ -45,9 +45,7 @@ class Preconditioner:
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
             return rows * self.scale
-        m, s = self.factors.shape[0], self.factors.shape[1]
-        # (F + λI)^-½ is symmetric, so right-multiplying each block row applies it.
-        return torch.einsum("nmi,mij->nmj", rows.reshape(len(rows), m, s), self.factors).reshape(len(rows), m * s)
+        return whiten(rows, self.factors)  # (F + λI)^-½ is symmetric: right-multiplying each block row applies it
 
 
 def _damping(damping: float) -> float:
@@ -100,8 +98,4 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
     else:
         w, v = np.linalg.eigh(stats.gram / stats.count)
         w = np.clip(w, 0.0, None)
-    level = w.mean(axis=1, keepdims=True)  # [M, 1]
-    inv_sqrt = np.where(level > 0, 1.0 / np.sqrt(w + damping * np.where(level > 0, level, 1.0)), 1.0)
-    factors = np.einsum("mij,mj,mkj->mik", v, inv_sqrt, v)
-    factors[level[:, 0] <= 0] = np.eye(size)  # an all-zero module: nothing to whiten
-    return Preconditioner(factors=torch.from_numpy(factors).float())
+    return Preconditioner(factors=torch.from_numpy(whitening_factors(w, v, damping)).float())

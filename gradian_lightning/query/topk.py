@@ -22,7 +22,7 @@ from gradian_lightning.errors import ConfigError, IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import decode, equal_block_size, module_norms
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.precondition import Preconditioner, preconditioner
+from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve
 
 
 # Scores held before they are merged into the running top-k: [Q, 4096] float32 is 16 KiB a query.
@@ -87,12 +87,16 @@ def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
 
 
 def prepare_queries(
-    index: IndexReader, query_rows: torch.Tensor, score: str, normalize: str, device: Optional[torch.device | str] = None, precondition: str = DEFAULT_PRECONDITION, damping: float = DEFAULT_DAMPING
+    index: IndexReader, query_rows: torch.Tensor, score: str, normalize: str, device: Optional[torch.device | str] = None, precondition: str = DEFAULT_PRECONDITION, damping: float = DEFAULT_DAMPING,
+    whitened_norms: bool = False,
 ) -> Tuple[torch.Tensor, Optional[Preconditioner]]:
     """Query rows scaled once as `score_chunk` treats a chunk of `index`: preconditioned, then normalised.
 
-    Returns (queries [Q, D] float32 on `device` (default: the rows' device), the preconditioner or
-    None). Raises `IndexMismatchError` for rows of another width.
+    Returns (queries [Q, D] float32 on `device` (default: the rows' device), the preconditioner
+    the chunks need or None). With `whitened_norms` (for fisher, when the caller scores chunks with
+    the index's stored whitened norms, `uses_whitened_norms`), the queries are whitened a second
+    time and no preconditioner is returned: (W·Wq)·r / |Wr| = (Wq)·(Wr) / |Wr|, so a chunk is
+    only scaled, never whitened. Raises `IndexMismatchError` for rows of another width.
     """
     width = int(index.meta["width"])
     if query_rows.dim() != 2 or query_rows.shape[1] != width:
@@ -108,7 +112,17 @@ def prepare_queries(
         queries = _unit_modules(queries.clone(), blocks) / len(blocks)  # / M: scores are a mean of cosines
     elif score == "cosine":
         queries = _unit(queries)
+    if whitened_norms:
+        queries, transform = transform(queries), None
     return queries, transform
+
+
+def uses_whitened_norms(index: IndexReader, score: str, precondition: str, damping: float) -> bool:
+    """Whether fisher scores of `index` can skip whitening its rows: always for inner products, and
+    for cosine when the index stores its rows' whitened norms for this `damping` (statistics.py)."""
+    if resolve(index, precondition) != "fisher":
+        return False
+    return score == "inner" or (index.whitened_damping is not None and float(index.whitened_damping) == float(damping))
 
 
 def score_chunk(
@@ -118,9 +132,10 @@ def score_chunk(
     """Scores [Q, c] float32 of a chunk of decoded rows [c, D] against `prepare_queries` output [Q, D].
 
     `rows` must be a tensor the caller does not need afterwards (a decoded chunk): per-module
-    cosine normalises it in place. `norms` [c, M]: the rows' stored per-module norms
-    (`IndexReader.stored_norms`), which spare per-module cosine its norm pass; ignored under a
-    preconditioner, whose rows have other norms. Both engines, local and Dask, score with this one function.
+    cosine normalises it in place. `norms` [c, M]: the per-module norms of the rows as they are
+    compared (`IndexReader.stored_norms`, or `whitened_norms` for queries prepared with
+    `whitened_norms=True`), which spare cosine its norm pass; ignored under a preconditioner,
+    whose rows have other norms. Both engines, local and Dask, score with this one function.
     """
     if transform is not None:
         rows, norms = transform(rows), None
@@ -129,7 +144,8 @@ def score_chunk(
         rows = _unit_modules(rows, blocks, norms)
     scores = queries @ rows.T  # [Q, c] float32
     if score == "cosine" and not by_module:  # dividing the scores by the row norms saves normalising a copy of the chunk
-        scores /= torch.linalg.vector_norm(rows, dim=1).clamp_min(torch.finfo(rows.dtype).tiny)
+        row_norms = torch.linalg.vector_norm(rows, dim=1) if norms is None else torch.linalg.vector_norm(norms.to(rows.device), dim=1)
+        scores /= row_norms.clamp_min(torch.finfo(rows.dtype).tiny)
     return scores
 
 
@@ -173,11 +189,16 @@ def streaming_topk(
             chosen.append((index if step == index.step else index.at(step), query_rows[step], weight))
     first = next(iter(query_rows.values())) if isinstance(query_rows, dict) else query_rows
     device = torch.device(device) if device is not None else first.device
-    parts = [(reader, *prepare_queries(reader, rows, score, normalize, device, precondition, damping), weight) for reader, rows, weight in chosen]
+    parts = []  # (reader, queries, transform, weight, the reader's method giving the chunk's norms or None)
+    for reader, rows, weight in chosen:
+        # Fisher without whitening every chunk where the index allows it (`uses_whitened_norms`).
+        whitened = uses_whitened_norms(reader, score, precondition, damping)
+        queries, transform = prepare_queries(reader, rows, score, normalize, device, precondition, damping, whitened)
+        norms_of = None if score != "cosine" or transform is not None else reader.whitened_norms if whitened else reader.stored_norms
+        parts.append((reader, queries, transform, weight, norms_of))
     empty = Ranking(torch.empty(len(first), 0, dtype=torch.long, device=device), torch.empty(len(first), 0, device=device))
     top, bottom = empty, empty
     lead = parts[0][0]
-    by_module = score == "cosine" and normalize == "module"
     buffer: Optional[torch.Tensor] = None  # one float32 chunk, decoded into for every chunk: no fresh pages per chunk
     held: list = []  # (scores [Q, c], positions [c]) of chunks not yet merged into top/bottom
 
@@ -197,12 +218,11 @@ def streaming_topk(
         if buffer is None or len(buffer) < hi - lo:
             buffer = torch.empty(hi - lo, stored.shape[1])
         scores = None
-        for reader, queries, transform, weight in parts:
+        for reader, queries, transform, weight, norms_of in parts:
             # Every row is decoded and scored, and the columns of rows that must go are dropped
             # afterwards: cheaper than copying the kept rows out of the chunk.
             rows = decode(stored if reader is lead else reader.stored(lo, hi), reader.storage_dtype, out=buffer[: hi - lo]).to(device)
-            norms = reader.stored_norms(lo, hi) if by_module and transform is None else None
-            part = score_chunk(queries, rows, index_blocks(reader), score, normalize, transform, norms)
+            part = score_chunk(queries, rows, index_blocks(reader), score, normalize, transform, norms_of(lo, hi) if norms_of else None)
             scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
         kept = torch.arange(lo, hi)
         if not keep.all():
