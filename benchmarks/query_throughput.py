@@ -8,12 +8,14 @@ Then, interleaved `--repeats` times, for each query count Q in `--queries` (defa
                                (zarr read + float16 -> float32, the fastest decode the scorer has);
                                context: `IndexReader.chunks()`, which decodes into fresh tensors;
   - floor (ii), fp32 GEMM:     one `[Q, D] @ [D, N]` float32 matmul over rows already in memory;
-  - streaming top-k:           `streaming_topk` (cosine per module, no preconditioner; top 10): read +
+  - streaming top-k:           `streaming_topk` (cosine per module, no preconditioner; top 10): read (the next chunk on a worker thread) +
                                decode + per-module scaling by the stored norms + one [Q, D] x [D, c]
                                matmul per chunk + merge;
   - the default scoring:       the same with `query.precondition=auto` (fisher here: 16 blocks of k² =
-                               256) at damping 1.0, which adds one [c, 256] x [256, 256] product per
-                               module and chunk; reported beside the target, not in it.
+                               256) at damping 1.0: the queries are whitened twice and each chunk is
+                               scaled by the whitened norms the writer stored, so the per-chunk work
+                               is that of `none` plus the fixed cost of the factors; reported beside
+                               the target.
 The target: streaming top-k at >= 70% of the throughput of the slower floor, at every Q. Context: a
 NumPy read of the same bytes into one reused buffer (a memory copy). GB/s counts the raw float16
 bytes of the rows (N × width × 2), 10⁹ bytes per GB.
@@ -126,7 +128,7 @@ def main() -> None:
         slower = min(gbps["read + decode"], gbps[f"gemm Q={q}"])
         rows_out.append([
             q, f"{gbps['read + decode']:.2f}", f"{gbps[f'gemm Q={q}']:.2f}", f"{gbps[f'top-k Q={q}']:.2f}", f"{gbps[f'top-k Q={q}'] / slower:.2f}",
-            "met" if gbps[f"top-k Q={q}"] >= 0.7 * slower else "not met", f"{gbps[f'default Q={q}']:.2f}",
+            "met" if gbps[f"top-k Q={q}"] >= 0.7 * slower else "not met", f"{gbps[f'default Q={q}']:.2f}", f"{gbps[f'default Q={q}'] / slower:.2f}",
         ])
         points.append({"q": q, "read": gbps["read + decode"], "gemm": gbps[f"gemm Q={q}"], "topk": gbps[f"top-k Q={q}"]})
     body = (
@@ -134,7 +136,7 @@ def main() -> None:
         f"(chunks of {chunk_rows} rows); {args.threads} torch thread(s); cosine per module, top 10; "
         f"warm page cache; medians of {args.repeats} interleaved runs. Context: a NumPy read of the same bytes into one reused buffer runs at "
         f"{gbps['numpy read']:.2f} GB/s (a memory copy); `IndexReader.chunks()`, decoding into fresh tensors, at {gbps['chunks()']:.2f} GB/s.\n\n"
-        + table(["Q", "floor (i) read + decode GB/s", "floor (ii) fp32 GEMM GB/s", "streaming top-k GB/s", "top-k / slower floor", "≥ 0.70 of the slower floor", "default scoring (auto = fisher, damping 1.0) GB/s"], rows_out)
+        + table(["Q", "floor (i) read + decode GB/s", "floor (ii) fp32 GEMM GB/s", "streaming top-k GB/s", "top-k / slower floor", "≥ 0.70 of the slower floor", "default scoring (auto = fisher, damping 1.0) GB/s", "default / slower floor"], rows_out)
     )
     write_result("query_throughput", command_line(), body, args.out)
     plot(points, args.out)

@@ -120,9 +120,10 @@ class IndexReader:
         for lo in range(0, len(self), step):
             yield lo, self.stored(lo, min(lo + step, len(self)))
 
-    def statistics(self) -> RowStatistics:
-        """The row statistics stored by the writer; for an index written before they existed, one pass over its rows."""
-        stored = RowStatistics.load(self.group)
+    def statistics(self, gram: bool = True) -> RowStatistics:
+        """The row statistics stored by the writer (without `gram` when false); for an index
+        written before they existed, one pass over its rows."""
+        stored = RowStatistics.load(self.group, gram)
         if stored is not None:
             return stored
         stats = RowStatistics.empty(layout_blocks(self.meta), int(self.meta["width"]))

@@ -62,7 +62,7 @@ def whitening_factors(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) 
     zero (mean eigenvalue 0) gets the identity: nothing to whiten."""
     level = eigvals.mean(axis=1, keepdims=True)  # [M, 1]
     inv_sqrt = np.where(level > 0, 1.0 / np.sqrt(eigvals + damping * np.where(level > 0, level, 1.0)), 1.0)
-    factors = np.einsum("mij,mj,mkj->mik", eigvecs, inv_sqrt, eigvecs)
+    factors = (eigvecs * inv_sqrt[:, None, :]) @ eigvecs.transpose(0, 2, 1)  # V diag((w + λ)^-½) Vᵀ as batched GEMMs
     factors[level[:, 0] <= 0] = np.eye(eigvals.shape[1])
     return factors
 
@@ -125,12 +125,13 @@ class RowStatistics:
         return eigen
 
     @classmethod
-    def load(cls, group: zarr.Group) -> Optional["RowStatistics"]:
-        """The statistics stored in an index group, or None when it has none (written before they existed)."""
+    def load(cls, group: zarr.Group, gram: bool = True) -> Optional["RowStatistics"]:
+        """The statistics stored in an index group (without `gram` when false: it is M·k⁴ float64),
+        or None when it has none (written before they existed)."""
         if GROUP not in group.group_keys():
             return None
         stats = group[GROUP]
-        gram = stats["gram"][:] if "gram" in stats.array_keys() else None
+        gram = stats["gram"][:] if gram and "gram" in stats.array_keys() else None
         return cls(int(stats.attrs["rows"]), stats["sumsq"][:], gram)
 
 

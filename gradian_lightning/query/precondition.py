@@ -71,7 +71,9 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
     if precondition == "none":
         return None
     damping = _damping(damping)
-    stats = index.statistics()
+    group = index.group[GROUP] if GROUP in index.group.group_keys() else None
+    cached = group is not None and "eigvecs" in group.array_keys()  # the writer's eigendecomposition of F
+    stats = index.statistics(gram=not cached)  # with it cached, the gram itself is never read
     blocks = layout_blocks(index.meta)
     if stats.count == 0:
         warnings.warn(f"the index at {str(index.path)!r} has no counted rows to precondition with; query.precondition={precondition} is skipped", stacklevel=2)
@@ -85,17 +87,15 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
             if level > 0:
                 scale[int(b["offset"]) : int(b["offset"]) + int(b["size"])] = (part + damping * level).rsqrt()
         return Preconditioner(scale=scale.float())
-    if stats.gram is None:
+    if not cached and stats.gram is None:
         raise ConfigError(
             f"setting 'query.precondition'=fisher needs module blocks of equal size at most {GRAM_MAX_SIZE} (grads.projection_dim <= 32) but the index at {str(index.path)!r} has none; use query.precondition=diag"
         )
-    size = stats.gram.shape[1]
-    if stats.count < size:
-        warnings.warn(f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {size}: its second moment is rank-deficient and the damping sets the unseen directions", stacklevel=2)
-    group = index.group[GROUP] if GROUP in index.group.group_keys() else None
-    if group is not None and "eigvecs" in group.array_keys():  # cached by the writer
+    if cached:
         w, v = group["eigvals"][:], group["eigvecs"][:]
     else:
         w, v = np.linalg.eigh(stats.gram / stats.count)
         w = np.clip(w, 0.0, None)
+    if stats.count < w.shape[1]:
+        warnings.warn(f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions", stacklevel=2)
     return Preconditioner(factors=torch.from_numpy(whitening_factors(w, v, damping)).float())
