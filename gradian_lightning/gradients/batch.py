@@ -51,7 +51,8 @@ def projected_gradients(
     Only output-gradients are needed, never weight gradients, so the forward runs with detached
     parameters (`torch.func.functional_call`): autograd then keeps no Linear's input for a weight
     gradient, and nothing at all before the first captured module. The captured inputs are
-    projected in the forward hook, so only [B, T, k] of each is kept through the backward.
+    projected in the forward hook and each output-gradient as the backward reaches it
+    (capture.py's `_Tap`), so only [B, T, k] of each is held instead of [B, T, in] and [B, T, out].
     With `recompute_layers` each decoder layer keeps only its input and is run again in the
     backward (recompute.py): on SmolLM2 0.57x the plain step's peak RSS instead of 0.67x, for one
     more forward of the layers (indexing loop 0.76x the plain step instead of 0.58x on a quiet
@@ -61,9 +62,11 @@ def projected_gradients(
     if loss_chunk_tokens is not None and any(m is head for m in capture.modules.values()):
         raise ConfigError(f"setting 'grads.loss_chunk_tokens'={loss_chunk_tokens} runs the output head in chunks of its own, so the head cannot be captured; leave it out of grads.module_filter or set grads.loss_chunk_tokens=null")
     detached = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
-    own_transform = capture.input_transform
+    own_transform, own_output_transform = capture.input_transform, capture.output_transform
     if own_transform is None:
         capture.input_transform = projector.project_input
+    if own_output_transform is None:
+        capture.output_transform = projector.project_output
 
     def forward_backward() -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         with forward_context or contextlib.nullcontext(), capture, recomputed_layers(model, capture) if recompute_layers else contextlib.nullcontext():
@@ -75,8 +78,8 @@ def projected_gradients(
         # the recomputed layers run again (functional_call restores the model's own after).
         losses, output_grads = functional_call(_Holder(model), detached, (forward_backward,), strict=False)
         token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
-        rows = projector.project(capture.inputs, output_grads, batch["input_ids"].shape[0], token_rows, inputs_projected=own_transform is None)
+        rows = projector.project(capture.inputs, output_grads, batch["input_ids"].shape[0], token_rows, inputs_projected=own_transform is None, outputs_projected=own_output_transform is None)
     finally:
         capture.clear()
-        capture.input_transform = own_transform
+        capture.input_transform, capture.output_transform = own_transform, own_output_transform
     return rows, losses.detach()

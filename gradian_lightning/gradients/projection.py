@@ -94,6 +94,20 @@ class KroneckerProjector:
         with torch.autocast(x.device.type, enabled=False):
             return x.float() @ p_in.T
 
+    def project_output(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """The output side of module `name`'s projection: g [.., out] -> g P_outᵀ [.., k] float32.
+
+        Exact rows (dim None) keep g as it is. Like `project_input`, runs in float32 outside
+        autocast, so that it can be applied to each output-gradient during the backward
+        (`LinearCapture(output_transform=...)`); `project(..., outputs_projected=True)` then gives
+        the very same rows.
+        """
+        if self.dim is None:
+            return g
+        p_out = self.matrices(name, g.device)[0]
+        with torch.autocast(g.device.type, enabled=False):
+            return g.float() @ p_out.T
+
     def project(
         self,
         inputs: Dict[str, torch.Tensor],
@@ -101,14 +115,15 @@ class KroneckerProjector:
         batch_size: int,
         token_rows: Optional[torch.Tensor] = None,
         inputs_projected: bool = False,
+        outputs_projected: bool = False,
     ) -> torch.Tensor:
         """Rows [batch_size, width] float32, one per example.
 
         `inputs[name]` and `output_grads[name]` are [B, T, in] / [B, T, out] (per-position), or
         [n, in] / [n, out] for a module that ran only on gathered positions, in which case
         `token_rows` (int64 [n]) says which example each position belongs to. Any dtype: the
-        arithmetic is done in float32. `inputs_projected`: `inputs` already went through
-        `project_input` ([.., k] instead of [.., in]).
+        arithmetic is done in float32. `inputs_projected` / `outputs_projected`: `inputs` /
+        `output_grads` already went through `project_input` / `project_output` ([.., k]).
         """
         out = []
         for block in self.blocks:
@@ -116,10 +131,8 @@ class KroneckerProjector:
             if not inputs_projected:
                 x = self.project_input(block.name, x)
             x = x.float()
-            g = output_grads[block.name].float()
-            if self.dim is not None:
-                p_out = self.matrices(block.name, x.device)[0]
-                g = g @ p_out.T  # [.., k]
+            g = output_grads[block.name]
+            g = g.float() if outputs_projected else self.project_output(block.name, g)  # [.., k]
             if x.dim() == 3:
                 grad = torch.einsum("bto,bti->boi", g, x)
             elif x.dim() == 2 and token_rows is not None and token_rows.shape[0] == x.shape[0]:
