@@ -1,6 +1,7 @@
 import zarr
 
 from gradian_lightning.cli import main
+from gradian_lightning.gradients.memory import human_bytes
 
 from conftest import ROWS, write_jsonl
 
@@ -11,10 +12,14 @@ def test_index_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):
             "grads.max_seq_length=24", "grads.batch_size=3", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    # before the first batch: rows, modules, row width and the predicted size (rows, and 4 bytes of norm per module and row)
+    # before the first batch: rows, modules, row width and the predicted size: the bytes of the arrays it then wrote
+    # (rows, norms and statistics, uncompressed; the per-row flags and zarr's metadata are not counted)
     rows, modules = len(ROWS) + 1, 2 * 3  # the default filter: gate, up and down projections of 2 layers
     width = modules * 16 * 16
-    assert out.splitlines()[0] == f"gradian index: {rows} rows × {modules} modules, row width {width:,} (float16) -> {rows * (width * 2 + modules * 4) / 1024:.2f} KiB predicted for {tmp_path / 'ix'}"
+    group = zarr.open_group(str(tmp_path / "ix"))
+    written = group["grads"].nbytes + group["norms"].nbytes + sum(a.nbytes for a in group["statistics"].array_values())
+    assert "whitened_norms" in group["statistics"].array_keys()
+    assert out.splitlines()[0] == f"gradian index: {rows} rows × {modules} modules, row width {width:,} (float16) -> {human_bytes(written)} predicted for {tmp_path / 'ix'}"
     assert f"{len(ROWS) + 1}/{len(ROWS) + 1} rows written" in out and "(complete)" in out
     assert "completions cut by grads.max_seq_length: 1 (12.5%)" in out
     grads = zarr.open_group(str(tmp_path / "ix"))["grads"]

@@ -63,9 +63,13 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     s = plan["supervised_tokens"]
     assert (s["max"], s["mean"], s["p95"]) == (counts.max(), pytest.approx(counts.mean()), pytest.approx(np.percentile(counts, 95)))
     assert plan["truncated_rows"] == 1 and plan["empty_rows"] == 0
-    # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms); 2 layers' gate, up and down projections, k = 16
-    m = 2 * 3
-    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": len(rows) * (m * 256 * 4 + m * 4), "float16": len(rows) * (m * 256 * 2 + m * 4), "bfloat16": len(rows) * (m * 256 * 2 + m * 4)}
+    # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms), plus the row statistics:
+    # sumsq [D] f64, gram and eigvecs [M, k², k²] f64, eigvals [M, k²] f64, whitened norms [rows, M] f32;
+    # 2 layers' gate, up and down projections, k = 16
+    m, n = 2 * 3, len(rows)
+    stats = m * 256 * 8 + 2 * m * 256 * 256 * 8 + m * 256 * 8 + n * m * 4
+    assert plan["index"]["statistics_bytes"] == stats
+    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": n * (m * 256 * 4 + m * 4) + stats, "float16": n * (m * 256 * 2 + m * 4) + stats, "bfloat16": n * (m * 256 * 2 + m * 4) + stats}
 
 
 def test_chunked_loss_peak_is_the_chunk_whatever_the_batch(tmp_path, wide_model, tokenizer):

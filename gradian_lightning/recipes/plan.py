@@ -26,6 +26,7 @@ from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.memory import FP32_BYTES, LOGIT_PEAK_COPIES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
+from gradian_lightning.index.statistics import statistics_bytes
 
 STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -183,15 +184,20 @@ def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: 
 
 def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any]:
     """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype
-    (the rows plus their per-module float32 norms, index/layout.py; the per-row flags are left out).
+    (the rows, their per-module float32 norms and the row statistics, index/layout.py and
+    index/statistics.py; the per-row flags and zarr's metadata are left out). `statistics_bytes`
+    is the statistics' share: mostly fixed, whatever the row count.
 
     `model` may live on the meta device; `grads` is the `grads.*` config section.
     """
     projector = KroneckerProjector(select_modules(model, module_patterns(grads.module_filter)), grads.projection_dim, grads.seed)
+    blocks = projector.describe()
+    stats = statistics_bytes(blocks, projector.width, rows)
     return {
         "modules": len(projector.blocks),
         "width": projector.width,
-        "bytes_by_storage_dtype": {d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * 4) for d in STORAGE_DTYPES},
+        "statistics_bytes": stats,
+        "bytes_by_storage_dtype": {d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * 4) + stats for d in STORAGE_DTYPES},
     }
 
 
@@ -304,5 +310,5 @@ def format_plan(plan: Dict[str, Any]) -> str:
             )
     ix = plan["index"]
     sizes = ", ".join(f"{d} {human_bytes(b)}" for d, b in ix["bytes_by_storage_dtype"].items())
-    lines.append(f"  index on disk ({n} rows × width {ix['width']:,} from {ix['modules']} modules, uncompressed): {sizes}")
+    lines.append(f"  index on disk ({n} rows × width {ix['width']:,} from {ix['modules']} modules, uncompressed, {human_bytes(ix['statistics_bytes'])} of it row statistics): {sizes}")
     return "\n".join(lines)
