@@ -5,8 +5,9 @@ interleaved, with the order rotated every repeat, so that drift on a shared mach
   - plain:  full logits, fp32 cross-entropy summed over supervised tokens, `loss.backward()`
             (parameter .grad filled, as a training step would), no optimizer step;
   - index:  `trainer.validate` with a `GradientIndexer` (projection_dim 16, float16 storage) writing
-            a zarr index, for module_filter down_proj / all MLP / all Linear, and down_proj with
-            `recompute_layers=True` (each decoder layer run again in the backward).
+            a zarr index, for module_filter down_proj / all MLP / all Linear at the default
+            `recompute="mlp"` (each MLP block run again in the backward), and with `_keep`
+            (recompute="none": every activation kept) or `_layers` (every decoder layer run again).
 Both processes import the same packages and load the model the same way, so the whole-process wall
 time ratio is the cost a user sees. Ratios are index / plain: below 1 means indexing is cheaper.
 
@@ -31,8 +32,15 @@ from benchmarks.common import (
 )
 
 FILTERS = {"down_proj": "down_proj", "mlp": "gate_proj,up_proj,down_proj", "all_linear": "*.layers.*"}  # every decoder Linear; lm_head left out
-# Variants with GradientIndexer(recompute_layers=True): decoder layers re-run in the backward.
-RECOMPUTED = {"down_proj_recompute": "down_proj"}
+RECOMPUTE_SUFFIXES = {"_keep": "none", "_layers": "layers"}  # variant suffix -> GradientIndexer(recompute=...); none: the default, mlp
+
+
+def _variant(name: str) -> tuple:
+    """(module filter patterns, recompute) of an index variant such as `down_proj_keep`."""
+    for suffix, recompute in RECOMPUTE_SUFFIXES.items():
+        if name.endswith(suffix):
+            return FILTERS[name[: -len(suffix)]], recompute
+    return FILTERS[name], "mlp"
 SETTINGS = {  # model -> (batches, batch size, sequence length)
     "tiny": (24, 8, 128),
     "smollm2": (6, 2, 128),
@@ -72,8 +80,8 @@ def child(args: argparse.Namespace) -> None:
             loss.backward()
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            patterns = FILTERS.get(args.variant) or FILTERS[RECOMPUTED[args.variant]]
-            indexer = GradientIndexer(f"{tmp}/index", patterns.split(","), projection_dim=args.projection_dim, storage_dtype="float16", recompute_layers=args.variant in RECOMPUTED)
+            patterns, recompute = _variant(args.variant)
+            indexer = GradientIndexer(f"{tmp}/index", patterns.split(","), projection_dim=args.projection_dim, storage_dtype="float16", recompute=recompute)
             trainer = L.Trainer(callbacks=[indexer], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
             loader = DataLoader(examples, batch_size=args.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=0))
             trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
@@ -139,7 +147,7 @@ def main() -> None:
     parser.add_argument("--projection-dim", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: the machine is shared, and oversubscribed OpenMP threads distort ratios)")
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
-    parser.add_argument("--variants", default=None, help="comma-separated index variants (default: all): down_proj, down_proj_recompute, mlp, all_linear")
+    parser.add_argument("--variants", default=None, help="comma-separated index variants (default: all): down_proj, mlp, all_linear at the default recompute=mlp, with _keep (none) or _layers appended for the others")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="also profile where indexing time goes")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens, one repeat: seconds")
@@ -152,7 +160,7 @@ def main() -> None:
 
     settings = SMOKE if args.smoke else {m: SETTINGS[m] for m in args.models.split(",")}
     repeats = 1 if args.smoke else args.repeats
-    filters = ["down_proj"] if args.smoke else (args.variants.split(",") if args.variants else ["down_proj", *RECOMPUTED, "mlp", "all_linear"])
+    filters = ["down_proj"] if args.smoke else (args.variants.split(",") if args.variants else ["down_proj", "down_proj_keep", "down_proj_layers", "mlp", "mlp_keep", "all_linear"])
     variants = ["plain", *filters]
     rows: List[List[Any]] = []
     ratios: List[Dict[str, Any]] = []  # for the figure
@@ -176,7 +184,7 @@ def main() -> None:
             i_proc = statistics.median(x["process_wall_s"] for x in runs[variant])
             i_loop = statistics.median(x["loop_s"] for x in runs[variant])
             i_rss = statistics.median(x["peak_rss"] for x in runs[variant])
-            rows.append([model, f"index {variant}", f"{tokens / i_loop:.0f}", f"{i_proc:.1f}", fmt_bytes(i_rss), f"{i_proc / p_proc:.2f}", f"{i_loop / p_loop:.2f}", f"{i_rss / p_rss:.2f}"])
+            rows.append([model, f"index {variant}", f"{tokens / i_loop:.0f}", f"{i_proc:.1f}", fmt_bytes(i_rss), f"{i_proc / p_proc:.3f}", f"{i_loop / p_loop:.3f}", f"{i_rss / p_rss:.3f}"])
             ratios.append({"label": f"{model}\n{variant}", "process": i_proc / p_proc, "loop": i_loop / p_loop, "rss": i_rss / p_rss})
         if args.profile or args.smoke:
             prof = run_child("benchmarks.capture_overhead", [*common, "--variant", "down_proj"], flag="--profile-child")

@@ -9,7 +9,7 @@ read back. Variants:
   - gathered:   `supervised_token_loss` as by default (head and fp32 loss over all supervised tokens);
   - chunk N:    `supervised_token_loss(..., chunk_tokens=N)` (head + fp32 loss N tokens at a time,
                 recomputed in backward).
-"Loss part" = variant peak - trunk peak, against plan's formula LOGIT_PEAK_COPIES × fp32 logits,
+"Loss part" = variant peak - trunk peak, against plan's formula logit_peak_copies × fp32 logits (1: fp32 model),
 where the fp32 logits are min(supervised, N) × vocab × 4 bytes. A second, instrumented pass records
 the largest fp32 [.., vocab] tensor created. Time: the median of 3 timed steps after a warm-up, in
 the same child; the time ratio is chunked / gathered at the same batch.
@@ -82,7 +82,9 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, fp32_logit_bytes
+    from gradian_lightning.gradients.memory import fp32_logit_bytes, logit_peak_copies
+
+    copies = logit_peak_copies(4)  # the benchmark's model is fp32
 
     batches, seq, chunks, vocab = ((1, 2), 32, (8,), 4096) if args.smoke else (BATCHES, args.seq, CHUNKS, VOCAB)
     common = ["--seq", str(seq), "--fraction", str(args.fraction), "--vocab", str(vocab), "--hidden", str(args.hidden)]
@@ -101,7 +103,7 @@ def main() -> None:
             chunk = None if variant == "gathered" else int(variant)
             n = result["supervised"]
             part = result["peak"] - trunk["peak"]
-            formula = LOGIT_PEAK_COPIES * fp32_logit_bytes(n, vocab, chunk)
+            formula = copies * fp32_logit_bytes(n, vocab, chunk)
             loss_s, gathered_loss_s = result["seconds"] - trunk["seconds"], gathered["seconds"] - trunk["seconds"]
             rows.append([
                 b, n, "off" if chunk is None else chunk, fmt_bytes(part), fmt_bytes(formula), f"{part / formula:.2f}",
@@ -110,7 +112,7 @@ def main() -> None:
             ])
             points.append({"chunk": chunk, "supervised": n, "part": part, "formula": formula})
     header = [
-        "batch", "supervised tokens", "loss_chunk_tokens", "loss part (measured)", f"formula {LOGIT_PEAK_COPIES} × fp32 logits", "measured / formula",
+        "batch", "supervised tokens", "loss_chunk_tokens", "loss part (measured)", f"formula {copies:g} × fp32 logits", "measured / formula",
         "largest fp32 vocab tensor: measured / min(sup, chunk)×V×4", "step s", "step time / unchunked", "loss-part time / unchunked",
     ]
     body = (

@@ -95,12 +95,14 @@ def main() -> None:
             r = results[-1]
             print(f"b={b} prompt={p} s={s}: predicted {r['predicted_fp32_logits_bytes'] / MiB:.0f} MiB, measured {r['measured_peak_rise_bytes'] / MiB:.0f} MiB", flush=True)
         Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES
+    from gradian_lightning.gradients.memory import logit_peak_copies
+
+    copies = logit_peak_copies(4)  # fp32 model
 
     act = plan_activations(args.model)
     lines = [
         f"Command: `PYTHONPATH=. python benchmarks/oom_table.py` (model {Path(args.model).name}, vocab {results[0]['vocab']}, fp32, CPU).",
-        f"Plan's prediction above the weights: tokens in the batch × {act / MiB:.2f} MiB of activations + {LOGIT_PEAK_COPIES} × fp32 logits.",
+        f"Plan's prediction above the weights: tokens in the batch × {act / MiB:.2f} MiB of activations + {copies:g} × fp32 logits.",
         "",
         "| batch_size | prompt tokens per row | supervised tokens per row | supervised tokens in batch | fp32 logits (plan), MiB | plan: peak above weights, MiB | measured peak rise, MiB | measured / plan |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -108,7 +110,7 @@ def main() -> None:
     for r in results:
         tokens = r["batch_size"] * (r["prompt_tokens"] + r["supervised_per_row"] + 1)
         logits, meas = r["predicted_fp32_logits_bytes"], r["measured_peak_rise_bytes"]
-        predicted = tokens * act + LOGIT_PEAK_COPIES * logits
+        predicted = tokens * act + copies * logits
         lines.append(
             f"| {r['batch_size']} | {r['prompt_tokens']} | {r['supervised_per_row']} | {r['n_supervised']} | {logits / MiB:.0f} | {predicted / MiB:.0f} | {meas / MiB:.0f} | {meas / predicted:.2f} |"
         )

@@ -24,7 +24,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       loss.py                  supervised_token_loss: fp32 gather-then-upcast
       memory.py                the byte arithmetic of that loss's fp32 peak
       projection.py            KroneckerProjector
-      recompute.py             decoder layers re-run in the indexing backward instead of keeping their activations
+      recompute.py             MLP blocks (default) or decoder layers re-run in the indexing backward instead of keeping their activations
       batch.py                 projected_gradients: one batch -> rows
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, config.py (omegaconf), data.py (JSONL -> batches),

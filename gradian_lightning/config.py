@@ -22,6 +22,10 @@ SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
 ENGINES = ("local", "dask")
 PRECONDITIONS = ("auto", "none", "diag", "fisher")
+# What the indexing backward recomputes instead of keeping (gradients/recompute.py); mlp measured
+# 0.59-0.60x the plain step's peak RSS at 0.75-0.76x its time on SmolLM2 (benchmarks/RESULTS.md §1).
+RECOMPUTE = ("mlp", "layers", "none")
+DEFAULT_RECOMPUTE = "mlp"
 # The measured best (benchmarks/RANKING.md, issue 10's grid): fisher where the index keeps the k²×k²
 # second moments (grads.projection_dim <= 32, projected rows), diag elsewhere, at damping 1.0.
 DEFAULT_PRECONDITION = "auto"
@@ -58,8 +62,8 @@ class GradsConfig:
     seed: int = 0
     # Head + fp32 cross-entropy this many supervised tokens at a time (null: all at once).
     loss_chunk_tokens: Optional[int] = None
-    # Keep only each decoder layer's input through the backward and run the layer again there.
-    recompute_layers: bool = False
+    # What the backward runs again instead of keeping its activations: mlp | layers | none.
+    recompute: str = DEFAULT_RECOMPUTE
 
 
 @dataclass
@@ -159,6 +163,7 @@ def validate(cfg: DictConfig) -> None:
     _check(g.batch_size >= 1, "grads.batch_size", g.batch_size, "an integer >= 1")
     _check(g.max_seq_length >= 2, "grads.max_seq_length", g.max_seq_length, "an integer >= 2")
     _check(g.storage_dtype in STORAGE_DTYPES, "grads.storage_dtype", g.storage_dtype, " or ".join(STORAGE_DTYPES))
+    _check(g.recompute in RECOMPUTE, "grads.recompute", g.recompute, " or ".join(RECOMPUTE))
     _check(
         g.projection_dim is None or g.projection_dim >= 1,
         "grads.projection_dim",

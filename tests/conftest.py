@@ -99,20 +99,21 @@ class ValidateOnly(L.LightningModule):
         return None
 
 
-def saved_activation_bytes(model, ids, autocast=None, recompute=False) -> int:
+def saved_activation_bytes(model, ids, autocast=None, recompute="none") -> int:
     """All bytes indexing one batch keeps for backward at once (weights themselves excepted).
 
     The real path, `projected_gradients` without recomputation, from the first layer's modules on
     (the graph plan bounds), with one supervised token so that the loss's share is the same at
     every length; each saved tensor is attributed to the decoder layer that saved it, or to none.
-    Without `recompute` that is everything saved. With it (`recompute_layers=True`, recompute.py) each
-    layer's own tensors are alive one layer at a time: what is kept is what no layer saved, the
-    largest layer's share, and every layer's input (the tensors the recomputation starts from).
+    With `recompute` "none" that is everything saved. With "layers" (recompute.py) each layer's own
+    tensors are alive one layer at a time: what is kept is what no layer saved, the largest layer's
+    share, and every layer's input (the tensors the recomputation starts from). With "mlp" the same
+    for each layer's MLP block: all but the blocks' shares, the largest block's, and the blocks' inputs.
     """
     from gradian_lightning.gradients.batch import projected_gradients
     from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.gradients.projection import KroneckerProjector
-    from gradian_lightning.gradients.recompute import decoder_layers
+    from gradian_lightning.gradients.recompute import recomputed_units
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}  # storage -> (layer or None, bytes); the first layer to save a storage owns it
@@ -139,15 +140,15 @@ def saved_activation_bytes(model, ids, autocast=None, recompute=False) -> int:
     modules = select_modules(model, ["*.layers.*"])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    layers = decoder_layers(model)
+    layers = recomputed_units(model, "mlp" if recompute == "mlp" else "layers")
     hooks = [layer.register_forward_pre_hook(enter(i), with_kwargs=True) for i, layer in enumerate(layers)] + [layer.register_forward_hook(leave) for layer in layers]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-            projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed, recompute_layers=False)
+            projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed, recompute="none")
     finally:
         for hook in hooks:
             hook.remove()
-    if not recompute:
+    if recompute == "none":
         return sum(size for _, size in saved.values())
     outside = sum(size for layer, size in saved.values() if layer is None)
     largest = max(sum(size for layer, size in saved.values() if layer == i) for i in range(len(layers)))

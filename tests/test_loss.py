@@ -70,3 +70,35 @@ def test_chunked_loss_refuses_logit_transforms_and_bad_sizes(model, tokenizer, r
     model.config.logit_scale = 0.5  # as Cohere's: logits scaled after the head
     with pytest.raises(ConfigError, match="logit_scale after the head"):
         supervised_token_loss(model, batch, chunk_tokens=4)
+
+
+def test_token_cross_entropy_equals_f_cross_entropy_and_keeps_only_the_logits():
+    """Values and gradients against F.cross_entropy in float64; for the backward it saves the logits
+    (no log-softmax beside them) and writes their gradient into them, unless they are a view."""
+    import torch.nn.functional as F
+
+    from gradian_lightning.gradients.loss import token_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(70, 50, generator=g) * 4  # more rows than one log-sum-exp block (LSE_ROWS)
+    targets = torch.randint(0, 50, (70,), generator=g)
+    weights = torch.rand(70, generator=g)
+    ref = base.double().requires_grad_(True)
+    want = F.cross_entropy(ref, targets, reduction="none")
+    (want * weights.double()).sum().backward()
+    saved = []
+    logits = base.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+        fresh = logits * 1.0  # a fresh fp32 tensor, as the loss's upcast is
+        got = token_cross_entropy(fresh, targets)
+    assert sum(saved) == base.nbytes + targets.nbytes + 70 * 4  # logits, targets, log-sum-exp
+    (got * weights).sum().backward()
+    torch.testing.assert_close(fresh.detach(), logits.grad)  # the gradient was written into the logits: no second [n, vocab] tensor
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+    view = base.clone().requires_grad_(True)
+    shown = view.view_as(view) * 1.0
+    seen = shown.view(70, 50)  # a view: its values must survive the backward
+    before = seen.detach().clone()
+    token_cross_entropy(seen, targets).sum().backward()
+    assert torch.equal(seen.detach(), before)

@@ -15,7 +15,6 @@ from gradian_lightning.data import collate
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.hub import load_model_and_tokenizer
 from gradian_lightning.gradients.loss import supervised_token_loss
-from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES
 from gradian_lightning.recipes.plan import activation_bytes_per_token, largest_fitting_batch, make_plan, parse_bytes
 
 from conftest import ROWS, make_model, saved_activation_bytes, write_jsonl
@@ -87,13 +86,13 @@ def test_chunked_loss_peak_is_the_chunk_whatever_the_batch(tmp_path, wide_model,
 
 def test_largest_fitting_batch_is_the_budget_boundary():
     counts, longest, vocab, weights, act = [10, 8, 5, 1], 12, 100, 1000, 7
-    need = lambda b: weights + b * longest * act + LOGIT_PEAK_COPIES * sum(counts[:b]) * vocab * 4  # noqa: E731
+    need = lambda b: weights + b * longest * act + sum(counts[:b]) * vocab * 4  # noqa: E731  (fp32 logits: one copy at the peak)
     assert largest_fitting_batch(counts, longest, vocab, weights, act, need(2)) == 2
     assert largest_fitting_batch(counts, longest, vocab, weights, act, need(2) - 1) == 1
     assert largest_fitting_batch(counts, longest, vocab, weights, act, need(1) - 1) == 0
     assert largest_fitting_batch(counts, longest, vocab, weights, act, 10**9) == 4
     # with the loss chunked to 9 tokens, the logit term stops growing after the first row
-    chunked = lambda b: weights + b * longest * act + LOGIT_PEAK_COPIES * min(sum(counts[:b]), 9) * vocab * 4  # noqa: E731
+    chunked = lambda b: weights + b * longest * act + min(sum(counts[:b]), 9) * vocab * 4  # noqa: E731
     assert largest_fitting_batch(counts, longest, vocab, weights, act, chunked(3), chunk_tokens=9) == 3
     assert largest_fitting_batch(counts, longest, vocab, weights, act, chunked(3) - 1, chunk_tokens=9) == 2
 
@@ -102,13 +101,14 @@ def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
     """The 1- and 2-layer probe, scaled, against what indexing a 3-layer model keeps for 2 rows of 20 tokens."""
     model = make_model(VOCAB, hidden=64, layers=3)
     ids = torch.randint(3, len(tokenizer), (2, 20))
-    for recompute in (False, True):  # every layer keeping its activations (the default), and recomputed layers
-        per_token = activation_bytes_per_token(model.config, torch.float32, recompute_layers=recompute)
+    for recompute in ("none", "mlp", "layers"):  # every layer keeping its activations, recomputed MLP blocks (the default), recomputed layers
+        per_token = activation_bytes_per_token(model.config, torch.float32, recompute=recompute)
         # One supervised token: its fp32 log-softmax, [1, vocab], is the loss's share.
         kept = saved_activation_bytes(model, ids, recompute=recompute) - VOCAB * 4
         assert 0.85 * per_token * 40 <= kept <= per_token * 40
-    # Recomputing layers keeps less than the layers' own activations (hidden 64, 3 layers: 0.8x here, fewer at depth).
-    assert activation_bytes_per_token(model.config, torch.float32, recompute_layers=True) < 0.85 * activation_bytes_per_token(model.config, torch.float32)
+    # Recomputing keeps less than the layers' own activations (hidden 64, 3 layers: 0.8x here for layers, fewer at depth).
+    per_token = {r: activation_bytes_per_token(model.config, torch.float32, recompute=r) for r in ("none", "mlp", "layers")}
+    assert per_token["layers"] < 0.85 * per_token["none"] and per_token["mlp"] < 0.85 * per_token["none"]
 
 
 def test_parse_bytes():

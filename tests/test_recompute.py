@@ -1,5 +1,5 @@
-"""Recomputing decoder layers in the indexing backward (gradients/recompute.py): the same rows as
-keeping every layer's activations, and the model exactly as it was afterwards."""
+"""Recomputing MLP blocks or decoder layers in the indexing backward (gradients/recompute.py): the
+same rows as keeping every activation, and the model exactly as it was afterwards."""
 
 import lightning as L
 import pytest
@@ -12,7 +12,7 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.gradients.recompute import decoder_layers, recomputed_layers
+from gradian_lightning.gradients.recompute import decoder_layers, recomputed_modules, recomputed_units
 
 from conftest import ROWS, ValidateOnly, make_model
 from test_gradients import examples
@@ -22,27 +22,30 @@ def batch_of(tokenizer):
     return collate(examples(tokenizer, ROWS[:3]))
 
 
-def test_recomputed_rows_equal_kept_ones_and_the_model_is_untouched(tokenizer):
+@pytest.mark.parametrize("what", ["layers", "mlp"])
+def test_recomputed_rows_equal_kept_ones_and_the_model_is_untouched(tokenizer, what):
     model = make_model(len(tokenizer), hidden=64, layers=3)
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)  # a frozen weight stays frozen
     modules = select_modules(model, ["down_proj", "q_proj"])
     projector = KroneckerProjector(modules, 4, 0)
     calls = []
-    own = model.model.layers[2].forward
-    model.model.layers[2].forward = lambda *a, **k: calls.append(1) or own(*a, **k)  # an instance-level forward, as accelerate's hooks set
-    wrapped = model.model.layers[2].forward
+    unit = recomputed_units(model, what)[2]
+    assert unit is (model.model.layers[2] if what == "layers" else model.model.layers[2].mlp)
+    own = unit.forward
+    unit.forward = lambda *a, **k: calls.append(1) or own(*a, **k)  # an instance-level forward, as accelerate's hooks set
+    wrapped = unit.forward
     flags = [p.requires_grad for p in model.parameters()]
     torch.manual_seed(5)
     rng = torch.get_rng_state()
     with torch.enable_grad():
-        kept, kept_losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute_layers=False)
+        kept, kept_losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute="none")
         assert len(calls) == 1
-        got, losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute_layers=True)
+        got, losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute=what)
     assert len(calls) == 3  # the forward and its recomputation both went through the instance's own forward
     torch.testing.assert_close(got, kept, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(losses, kept_losses, rtol=0, atol=0)
-    assert model.model.layers[2].forward is wrapped
-    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model)[:2])
+    assert unit.forward is wrapped
+    assert all("forward" not in u.__dict__ for u in recomputed_units(model, what)[:2])
     assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
     assert not model.training and torch.equal(torch.get_rng_state(), rng)
 
@@ -54,7 +57,7 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
     capture.output_grads = lambda loss: (_ for _ in ()).throw(RuntimeError("killed in the backward"))
     try:
         with torch.enable_grad():
-            projected_gradients(model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute_layers=True)
+            projected_gradients(model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute="layers")
     except RuntimeError as err:
         assert "killed in the backward" in str(err)
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
@@ -63,11 +66,12 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
 
 def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, tokenizer, rows):
 
-    with pytest.raises(ConfigError, match=r"GradientIndexer\(recompute_layers='yes'\) is not allowed"):
-        GradientIndexer(tmp_path / "bad", recompute_layers="yes")
+    with pytest.raises(ConfigError, match=r"GradientIndexer\(recompute='yes'\) is not allowed; use 'mlp' or 'layers' or 'none'"):
+        GradientIndexer(tmp_path / "bad", recompute="yes")
     dataset = JsonlDataset(rows, tokenizer, 64)
-    for name, recompute in (("kept", False), ("recomputed", True)):
-        indexer = GradientIndexer(tmp_path / name, ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", recompute_layers=recompute)
+    assert GradientIndexer(tmp_path / "default").recompute == "mlp"
+    for name, recompute in (("kept", "none"), ("recomputed", "layers")):
+        indexer = GradientIndexer(tmp_path / name, ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", recompute=recompute)
         trainer = L.Trainer(callbacks=[indexer], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path)
         trainer.validate(ValidateOnly(model), dataloaders=DataLoader(dataset, batch_size=3, collate_fn=collate))
     kept, recomputed = open_index(tmp_path / "kept"), open_index(tmp_path / "recomputed")
@@ -76,8 +80,9 @@ def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, t
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
 
 
-def test_grads_recompute_layers_reaches_the_indexer_from_the_config(tmp_path, saved_model, monkeypatch):
-    """`gradian index ... grads.recompute_layers=true` recomputes the layers and writes the rows of the default path, and plan models it."""
+def test_grads_recompute_reaches_the_indexer_from_the_config(tmp_path, saved_model, monkeypatch):
+    """`gradian index ... grads.recompute=layers` (and the default, mlp) recompute what they say and write the rows of
+    `grads.recompute=none`, and plan models each."""
     import gradian_lightning.gradients.batch as batch_module
     from conftest import write_jsonl
     from gradian_lightning.recipes.index import run_index
@@ -86,17 +91,21 @@ def test_grads_recompute_layers_reaches_the_indexer_from_the_config(tmp_path, sa
 
     calls = []
 
-    def counted(model, capture):
-        calls.append(len(decoder_layers(model)))
-        return recomputed_layers(model, capture)
+    def counted(model, capture, what):
+        calls.append((what, len(recomputed_units(model, what))))
+        return recomputed_modules(model, capture, what)
 
-    monkeypatch.setattr(batch_module, "recomputed_layers", counted)
+    monkeypatch.setattr(batch_module, "recomputed_modules", counted)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    kept = run_index(index_config(saved_model, data, tmp_path / "kept"))
-    assert calls == []
-    recomputed = run_index(index_config(saved_model, data, tmp_path / "recomputed", "grads.recompute_layers=true"))
-    assert calls and all(n > 0 for n in calls)  # every batch ran with its decoder layers recomputed
-    assert kept["rows"] == recomputed["rows"] == len(ROWS)
-    torch.testing.assert_close(open_index(tmp_path / "recomputed").rows(slice(None)), open_index(tmp_path / "kept").rows(slice(None)), rtol=1e-5, atol=1e-7)
-    plans = [make_plan(index_config(saved_model, data, tmp_path / "p", f"grads.recompute_layers={flag}")) for flag in ("false", "true")]
-    assert plans[1]["activation_bytes_per_token"] < plans[0]["activation_bytes_per_token"]
+    kept = run_index(index_config(saved_model, data, tmp_path / "kept", "grads.recompute=none"))
+    assert calls and all(c == ("none", 0) for c in calls)
+    for what in ("layers", None):  # None: the default, mlp
+        calls.clear()
+        recomputed = run_index(index_config(saved_model, data, tmp_path / f"recomputed-{what}", *([f"grads.recompute={what}"] if what else [])))
+        assert calls and all(w == (what or "mlp") and n > 0 for w, n in calls)  # every batch ran with its units recomputed
+        assert kept["rows"] == recomputed["rows"] == len(ROWS)
+        torch.testing.assert_close(open_index(tmp_path / f"recomputed-{what}").rows(slice(None)), open_index(tmp_path / "kept").rows(slice(None)), rtol=1e-5, atol=1e-7)
+    plans = {r: make_plan(index_config(saved_model, data, tmp_path / "p", f"grads.recompute={r}"))["activation_bytes_per_token"] for r in ("none", "mlp", "layers")}
+    assert plans["layers"] < plans["mlp"] < plans["none"]
+    with pytest.raises(ConfigError, match="setting 'grads.recompute'='all' is not allowed; use mlp or layers or none"):
+        make_plan(index_config(saved_model, data, tmp_path / "p", "grads.recompute=all"))

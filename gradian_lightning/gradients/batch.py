@@ -18,7 +18,7 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import LinearCapture
 from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.gradients.recompute import recomputed_layers
+from gradian_lightning.gradients.recompute import recomputed_modules
 
 
 class _Holder(nn.Module):
@@ -39,7 +39,7 @@ def projected_gradients(
     projector: KroneckerProjector,
     forward_context: Optional[ContextManager] = None,
     loss_chunk_tokens: Optional[int] = None,
-    recompute_layers: bool = False,
+    recompute: str = "none",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rows [B, D] float32 (the projected per-example gradients) and losses [B] float32 (nats).
 
@@ -53,10 +53,9 @@ def projected_gradients(
     gradient, and nothing at all before the first captured module. The captured inputs are
     projected in the forward hook and each output-gradient as the backward reaches it
     (capture.py's `_Tap`), so only [B, T, k] of each is held instead of [B, T, in] and [B, T, out].
-    With `recompute_layers` each decoder layer keeps only its input and is run again in the
-    backward (recompute.py): on SmolLM2 0.57x the plain step's peak RSS instead of 0.67x, for one
-    more forward of the layers (indexing loop 0.76x the plain step instead of 0.58x on a quiet
-    machine; benchmarks/RESULTS.md, capture overhead); the rows are the same.
+    `recompute` ("none", "mlp" or "layers", `grads.recompute`) names what keeps only its input
+    and is run again in the backward (recompute.py): lower peak memory for more time, the same
+    rows (benchmarks/RESULTS.md, capture overhead).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if loss_chunk_tokens is not None and any(m is head for m in capture.modules.values()):
@@ -69,7 +68,7 @@ def projected_gradients(
         capture.output_transform = projector.project_output
 
     def forward_backward() -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        with forward_context or contextlib.nullcontext(), capture, recomputed_layers(model, capture) if recompute_layers else contextlib.nullcontext():
+        with forward_context or contextlib.nullcontext(), capture, recomputed_modules(model, capture, recompute):
             losses = supervised_token_loss(model, batch, loss_chunk_tokens)
             return losses, capture.output_grads(losses.sum())
 

@@ -9,6 +9,10 @@ Only supervised positions enter the loss, so they are gathered first:
 The one fp32 tensor is then `n_supervised × vocab × 4` bytes, where `n_supervised` counts the
 supervised tokens in the whole batch: at most `batch_size × supervised_tokens_per_row`.
 
+The cross-entropy (`token_cross_entropy`) keeps only that tensor for the backward and computes its
+gradient in place of it, so it is the only tensor of that size alive at the peak (F.cross_entropy
+keeps the log-softmax beside it and makes two more in its backward: three).
+
 With `chunk_tokens` (`grads.loss_chunk_tokens`) the output head and the fp32 cross-entropy run over
 the gathered positions `chunk_tokens` at a time, under `torch.utils.checkpoint`: each chunk's logits
 are freed before the next and recomputed in the backward, so the fp32 part of the peak is
@@ -53,8 +57,48 @@ def _call(module: nn.Module, parameters: Optional[Dict[str, torch.Tensor]], **kw
     return module(**kwargs) if parameters is None else functional_call(module, parameters, (), kwargs, strict=False)
 
 
+# Rows of the logits exponentiated at once in the log-sum-exp: its temporary is [LSE_ROWS, vocab], not [n, vocab].
+LSE_ROWS = 16
+
+
+class _TokenCrossEntropy(torch.autograd.Function):
+    """-log softmax(logits)[target] per row, keeping only the logits and writing their gradient into them."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
+        for i in range(0, logits.shape[0], LSE_ROWS):
+            lse[i : i + LSE_ROWS] = torch.logsumexp(logits[i : i + LSE_ROWS], dim=1)
+        ctx.save_for_backward(logits, targets, lse)
+        return lse - logits.gather(1, targets[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        # d loss_i / d logits_ij = softmax_ij - [j = target_i]. The logits are this function's own
+        # fp32 tensor (made for the loss, read by nothing else after the forward), so the gradient
+        # overwrites them: no second [n, vocab] tensor. Should another op have saved them,
+        # autograd's version check fails loudly when it unpacks them. A view (a captured head's
+        # output, seen through the capture's tap) must not be written: it gets a new tensor.
+        out = logits.sub(lse[:, None]) if logits._is_view() else logits.sub_(lse[:, None])
+        out = out.exp_().mul_(grad[:, None])
+        out[torch.arange(len(targets), device=out.device), targets] -= grad
+        return out, None
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each row of fp32 `logits` [n, vocab] at `targets` int64 [n]: float32 [n], nats.
+
+    The same values as `F.cross_entropy(logits, targets, reduction="none")` (to float32 rounding),
+    with one [n, vocab] tensor at the peak instead of three (module docstring). `logits` must be a
+    tensor made for this loss (the fp32 upcast, or the head's fp32 output): its values are
+    overwritten by the backward.
+    """
+    return _TokenCrossEntropy.apply(logits, targets)
+
+
 def _head_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
+    return token_cross_entropy(F.linear(hidden, weight, bias).float(), targets)
 
 
 def _chunked_token_loss(model: nn.Module, inputs: Dict[str, Any], keep: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, parameters: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -117,6 +161,6 @@ def supervised_token_loss(
                 )
         else:
             logits = _call(model, parameters, **inputs, use_cache=False).logits[keep]
-        token_loss = F.cross_entropy(logits.float(), targets, reduction="none")  # [n_supervised] fp32
+        token_loss = token_cross_entropy(logits.float(), targets)  # [n_supervised] fp32
     losses = torch.zeros(labels.shape[0], dtype=torch.float32, device=labels.device)
     return losses.index_add(0, rows, token_loss)

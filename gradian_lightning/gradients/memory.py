@@ -10,13 +10,22 @@ from __future__ import annotations
 from typing import Optional
 
 FP32_BYTES = 4
-# The fp32 logits are not alone at the peak: cross-entropy keeps their log-softmax for backward,
-# and backward makes a gradient of each, so three tensors of that size are alive at once.
-LOGIT_PEAK_COPIES = 3
+
+
+def logit_peak_copies(logits_itemsize: int) -> float:
+    """Tensors the size of the fp32 logits that the loss holds at its peak, for a model whose head
+    computes logits of `logits_itemsize` bytes (4: fp32; 2: bf16/fp16, autocast included).
+
+    The fp32 logits themselves, alone: the cross-entropy keeps nothing else of that size and writes
+    their gradient into them (loss.py, `token_cross_entropy`). A 16-bit head adds its own output in
+    the forward and that output's gradient in the backward, half the size, one at a time.
+    """
+    return 1.0 if logits_itemsize >= FP32_BYTES else 1.0 + logits_itemsize / FP32_BYTES
 
 
 # What `gradian plan` and the out-of-memory error suggest for grads.loss_chunk_tokens: small enough
-# that three [chunk, vocab] fp32 tensors stay under 400 MiB at Llama-3's 128,256-token vocabulary.
+# that the [chunk, vocab] fp32 logits and a 16-bit head's copy stay under 200 MiB at Llama-3's
+# 128,256-token vocabulary.
 SUGGESTED_LOSS_CHUNK_TOKENS = 256
 
 

@@ -1,15 +1,22 @@
-"""Recompute each decoder layer's activations in the indexing backward instead of keeping them.
+"""Recompute activations in the indexing backward instead of keeping them (`grads.recompute`).
 
-    forward:  each decoder layer runs under `torch.utils.checkpoint` (non-reentrant): autograd keeps
-              only the layer's inputs, not what its attention, MLP and norms would save
-    backward: a layer's forward is re-run (with the same detached parameters and RNG state) when
-              the backward reaches it, and its saved tensors are freed after its backward
+    forward:  each unit (`mlp`: every decoder layer's MLP block; `layers`: every decoder layer)
+              runs under `torch.utils.checkpoint` (non-reentrant): autograd keeps only the unit's
+              inputs, not what its matmuls' consumers (SiLU, the gate product, attention, norms) save
+    backward: a unit's forward is re-run (with the same detached parameters and RNG state) when
+              the backward reaches it, stopping as soon as what it saved is back, and those
+              tensors are freed after its backward
 
-So the activations kept through the backward are one [tokens, hidden] input per layer plus one
-layer's own, instead of every layer's; the cost is a second forward of the layers. The model is
-not changed: each layer's `forward` is wrapped on the instance for the duration of the context
-and restored after. Layers that another wrapper already manages (FSDP units, activation
-checkpointing, sharded DTensor parameters) are left as they are.
+Why `mlp` is the default: an MLP block keeps more than half of a Llama layer's activations (its
+gate and up outputs, 1,536 wide against the 576 of SmolLM2's hidden state, and their product), and
+re-running it costs its gate and up matmuls only (the down projection's output is saved by
+nothing, so the recomputation stops before it). On SmolLM2 (down_proj) the defaults take 0.59-0.60x
+the plain step's peak RSS at 0.75-0.76x its time, against 0.64-0.65x / 0.68-0.69x keeping
+everything and 0.54-0.55x / 0.81-0.88x recomputing whole layers (benchmarks/RESULTS.md §1). The model is not changed: each unit's `forward` is
+wrapped on the instance for the duration of the context and restored after. Units that another
+wrapper already manages (FSDP units, activation checkpointing, sharded DTensor parameters) are
+left as they are, and a model without transformers' `get_decoder().layers` (or layers without an
+`mlp`) runs as it is: recomputation changes memory and time, never the rows.
 """
 
 from __future__ import annotations
@@ -41,14 +48,27 @@ def _managed(layer: nn.Module) -> bool:
     return any(type(p).__name__ == "DTensor" for p in layer.parameters(recurse=True))
 
 
+def recomputed_units(model: nn.Module, what: str) -> List[nn.Module]:
+    """The modules `grads.recompute` = `what` runs again in the backward: "layers" the decoder
+    layers, "mlp" their `mlp` blocks, "none" nothing."""
+    layers = decoder_layers(model)
+    if what == "layers":
+        return layers
+    if what == "mlp":
+        # A block inside a layer that a wrapper already manages is left to that wrapper too.
+        return [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module) and not _managed(layer)]
+    return []
+
+
 @contextlib.contextmanager
-def recomputed_layers(model: nn.Module, capture: LinearCapture) -> Iterator[None]:
-    """While active, `model`'s decoder layers keep only their inputs for the backward (module docstring).
+def recomputed_modules(model: nn.Module, capture: LinearCapture, what: str) -> Iterator[None]:
+    """While active, the units of `recomputed_units(model, what)` keep only their inputs for the
+    backward (module docstring).
 
     `capture`'s hooks see the recomputation as such (`LinearCapture.recomputing`), so each module
     is still captured once. The forward and the backward must both run inside this context.
     """
-    layers = [layer for layer in decoder_layers(model) if not _managed(layer)]
+    layers = [layer for layer in recomputed_units(model, what) if not _managed(layer)]
     own = [layer.__dict__.get("forward") for layer in layers]  # an instance-level forward (e.g. accelerate's hooks) is kept and called
 
     def recomputed(inner: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,12 +20,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from gradian_lightning.config import DEFAULT_MODULE_FILTER, STORAGE_DTYPES, module_patterns
+from gradian_lightning.config import DEFAULT_MODULE_FILTER, DEFAULT_RECOMPUTE, RECOMPUTE, STORAGE_DTYPES, module_patterns
 from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, GradianError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets
-from gradian_lightning.gradients.memory import LOGIT_PEAK_COPIES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.memory import SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.index.checkpoints import register_checkpoint
@@ -74,7 +74,7 @@ def _check_arguments(**given: Any) -> None:
         "loss_chunk_tokens": (given["loss_chunk_tokens"] is None or (_is_int(given["loss_chunk_tokens"]) and given["loss_chunk_tokens"] >= 1), "None or an integer >= 1"),
         "checkpoints": (isinstance(given["checkpoints"], bool), "True or False"),
         "every_n_val_runs": (_is_int(given["every_n_val_runs"]) and given["every_n_val_runs"] >= 1, "an integer >= 1"),
-        "recompute_layers": (isinstance(given["recompute_layers"], bool), "True or False"),
+        "recompute": (given["recompute"] in RECOMPUTE, " or ".join(repr(r) for r in RECOMPUTE)),
     }
     for name, (ok, allowed) in rules.items():
         if not ok:
@@ -136,9 +136,10 @@ class GradientIndexer(L.Callback):
             (the first optimizer's first group, or `self.lr` when set) (index/checkpoints.py);
             queries then sum the checkpoints' scores (`query.checkpoints`).
         every_n_val_runs: index only every n-th validation run (1: each).
-        recompute_layers: keep only each decoder layer's input through the backward and run the
-            layer again there (gradients/recompute.py): a lower peak memory (SmolLM2: 0.57x the
-            plain step's peak RSS instead of 0.67x) for one more forward of the layers; the same rows.
+        recompute: what keeps only its input through the backward and runs again there
+            (`grads.recompute`, gradients/recompute.py): "mlp" (default) every decoder layer's MLP
+            block, "layers" every decoder layer, "none" nothing. Lower peak memory for more time,
+            the same rows (benchmarks/RESULTS.md §1).
 
     Every argument is checked here, before any Trainer exists: a wrong one is one `ConfigError` line.
     The callback's `state_dict` (saved in Lightning checkpoints) holds how many indexing runs it
@@ -163,14 +164,14 @@ class GradientIndexer(L.Callback):
         loss_chunk_tokens: Optional[int] = None,
         checkpoints: bool = False,
         every_n_val_runs: int = 1,
-        recompute_layers: bool = False,
+        recompute: str = DEFAULT_RECOMPUTE,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
         if projection_dim is not None and (not _is_int(projection_dim) or projection_dim < 1):
             raise ConfigError(f"setting 'grads.projection_dim'={projection_dim!r} is not allowed; use an integer >= 1, or null for exact gradients")
         _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose, rows_per_chunk=rows_per_chunk, loss_chunk_tokens=loss_chunk_tokens,
-                         checkpoints=checkpoints, every_n_val_runs=every_n_val_runs, recompute_layers=recompute_layers)
+                         checkpoints=checkpoints, every_n_val_runs=every_n_val_runs, recompute=recompute)
         self.path_template = str(path)
         self.patterns = module_patterns(module_filter)
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
@@ -179,7 +180,7 @@ class GradientIndexer(L.Callback):
         self.verbose = verbose
         self.rows_per_chunk = rows_per_chunk
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.recompute_layers = recompute_layers
+        self.recompute = recompute
         self.summary: Optional[Dict[str, Any]] = None  # set on rank 0 after each indexing run
         # Finished indexing runs, oldest first: {"step", "path", "rows", "complete"}; in the checkpoint.
         self.runs: List[Dict[str, Any]] = []
@@ -349,7 +350,7 @@ class GradientIndexer(L.Callback):
         with torch.random.fork_rng(devices=devices, device_type=pl_module.device.type), torch.inference_mode(False), torch.enable_grad():
             sub = {k: batch[k][wanted] for k in ("input_ids", "attention_mask", "labels") if k in batch}
             try:
-                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context(), self.loss_chunk_tokens, self.recompute_layers)
+                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context(), self.loss_chunk_tokens, self.recompute)
             except torch.OutOfMemoryError:
                 raise self._out_of_memory(batch, wanted) from None
             except RuntimeError as err:  # MPS reports running out of memory as a plain RuntimeError
@@ -379,7 +380,7 @@ class GradientIndexer(L.Callback):
         return DeviceOutOfMemoryError(
             f"device out of memory indexing rows {int(rows.min())}-{int(rows.max())}: a batch of {int(wanted.sum())} rows "
             f"(grads.batch_size={batch_size}, grads.max_seq_length={max_len if max_len is not None else 'unknown'}, padded length {batch['input_ids'].shape[1]}) "
-            f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {peak} ({LOGIT_PEAK_COPIES}× that with their log-softmax and gradients, on top of weights and activations; gradian plan predicts the whole peak); "
+            f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {peak} (the loss writes their gradient into them; a 16-bit head adds half that again, on top of weights and activations; gradian plan predicts the whole peak); "
             "lower grads.batch_size first (the peak is linear in it; it costs only wall time), then grads.max_seq_length (it can cut completions); "
             f"{third}grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
         )

@@ -69,13 +69,15 @@ def layout_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def whitening_factors(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
-    """(F_m + λ_m I)^-½ [M, s, s] float64 from F_m's eigendecomposition (eigvals [M, s] >= 0,
+    """(F_m + λ_m I)^-½ [M, s, s] float32 from F_m's eigendecomposition (eigvals [M, s] >= 0,
     eigvecs [M, s, s]); λ_m = `damping` × module m's mean eigenvalue. A module whose rows are all
     zero (mean eigenvalue 0) gets the identity: nothing to whiten."""
-    level = eigvals.mean(axis=1, keepdims=True)  # [M, 1]
-    inv_sqrt = np.where(level > 0, 1.0 / np.sqrt(eigvals + damping * np.where(level > 0, level, 1.0)), 1.0)
-    factors = (eigvecs * inv_sqrt[:, None, :]) @ eigvecs.transpose(0, 2, 1)  # V diag((w + λ)^-½) Vᵀ as batched GEMMs
-    factors[level[:, 0] <= 0] = np.eye(eigvals.shape[1])
+    factors = np.empty(eigvecs.shape, dtype=np.float32)
+    # One module at a time: the temporaries are one [s, s] block, not another [M, s, s] array
+    # (the writer computes these beside the gram and its eigenvectors, 94 MB each for the MLP at k = 16).
+    for m, (w, v) in enumerate(zip(eigvals, eigvecs)):
+        level = w.mean()
+        factors[m] = (v * (1.0 / np.sqrt(w + damping * level))) @ v.T if level > 0 else np.eye(len(w))  # V diag((w + λ)^-½) Vᵀ
     return factors
 
 
@@ -129,7 +131,10 @@ class RowStatistics:
             stats.create_array("gram", data=self.gram)
             # The eigendecomposition of the mean second moment, once per index: a query's
             # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
-            w, v = np.linalg.eigh(self.gram / max(self.count, 1))
+            # Module by module, into the two arrays it returns: no [M, s, s] temporaries at close.
+            w, v = np.empty(self.gram.shape[:2]), np.empty_like(self.gram)
+            for m in range(len(self.gram)):
+                w[m], v[m] = np.linalg.eigh(self.gram[m] / max(self.count, 1))
             eigen = (np.clip(w, 0.0, None), v)
             stats.create_array("eigvals", data=eigen[0])
             stats.create_array("eigvecs", data=eigen[1])

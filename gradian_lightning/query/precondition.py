@@ -98,4 +98,4 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
         w = np.clip(w, 0.0, None)
     if stats.count < w.shape[1]:
         warnings.warn(f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions", stacklevel=2)
-    return Preconditioner(factors=torch.from_numpy(whitening_factors(w, v, damping)).float())
+    return Preconditioner(factors=torch.from_numpy(whitening_factors(w, v, damping)))

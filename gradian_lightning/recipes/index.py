@@ -66,7 +66,7 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     checkpoints = saved_models(cfg.model.checkpoints or [])  # steps and learning rates: a bad list fails before any model loads
     indexer = GradientIndexer(
         cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, rows_per_chunk=cfg.index.rows_per_chunk,
-        loss_chunk_tokens=g.loss_chunk_tokens, recompute_layers=g.recompute_layers, checkpoints=bool(checkpoints),
+        loss_chunk_tokens=g.loss_chunk_tokens, recompute=g.recompute, checkpoints=bool(checkpoints),
         verbose=False,  # the CLI prints the summary
     )
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast

@@ -23,8 +23,9 @@ from gradian_lightning.config import STORAGE_DTYPES, module_patterns, require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import select_modules
-from gradian_lightning.gradients.memory import FP32_BYTES, LOGIT_PEAK_COPIES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
+from gradian_lightning.gradients.memory import FP32_BYTES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes, logit_peak_copies
 from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.gradients.recompute import recomputed_units
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 from gradian_lightning.index.statistics import statistics_bytes
 
@@ -99,8 +100,9 @@ def precision_dtypes(cfg: DictConfig, config: Any) -> Tuple[torch.dtype, Optiona
     return weights or model_dtype(cfg, config), autocast
 
 
-def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool, autocast: Optional[torch.dtype] = None) -> int:
-    """Bytes autograd keeps for backward in one indexing forward of `tokens` tokens through `layers` layers.
+def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool, autocast: Optional[torch.dtype] = None) -> Tuple[int, int]:
+    """Bytes autograd keeps for backward in one indexing forward of `tokens` tokens through `layers`
+    layers, and the part of them that the layers' `mlp` blocks keep: (all, mlp).
 
     As `projected_gradients` runs it: parameters detached (no Linear input is kept for a weight
     gradient), and the graph starting at the embeddings' output, a safe bound for any module_filter
@@ -125,59 +127,70 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
     model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     casts = _WeightCasts(weights)  # autocast's copies of the weights: counted once, not per token
-    saved: Dict[int, int] = {}
+    saved: Dict[int, Tuple[int, bool]] = {}  # storage -> (bytes, saved inside an mlp block)
+    inside = [False]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in weights and storage.data_ptr() not in casts.copies:  # weights are saved too, but they are not activations
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved.setdefault(storage.data_ptr(), (storage.nbytes(), inside[0]))
         return t
+
+    for unit in recomputed_units(model, "mlp"):
+        unit.register_forward_pre_hook(lambda module, args: inside.__setitem__(0, True))
+        unit.register_forward_hook(lambda module, args, out: inside.__setitem__(0, False))
 
     ids = torch.randint(0, min(100, config.vocab_size), (1, tokens))
     no_logits = torch.zeros(1, tokens, dtype=torch.bool)  # the logits are accounted for separately
     mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), mixed, casts:
         model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=no_logits, use_cache=False)
-    return sum(saved.values())
+    return sum(size for size, _ in saved.values()), sum(size for size, mlp in saved.values() if mlp)
 
 
 def activation_bytes_per_token(
-    config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None, recompute_layers: bool = False
+    config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None, recompute: str = "none"
 ) -> int:
     """Bytes of activations kept for backward per token (prompt, completion and padding alike).
 
     Measured, not modelled: one forward of a 1-layer and a 2-layer copy of the architecture (random
     weights of `dtype`, full width, under `autocast` when given) under `saved_tensors_hooks`; the
-    difference is one layer's share, plus what the 1-layer model keeps outside its layer. Without
-    `recompute_layers` every layer keeps its share; with it (`GradientIndexer(recompute_layers=True)`, recompute.py) one
-    layer's share is alive at a time, beside every layer's input ([tokens, hidden] in `dtype`).
+    difference is one layer's share, plus what the 1-layer model keeps outside its layer.
+    `recompute` (`grads.recompute`, recompute.py): "none", every layer keeps its share; "layers",
+    one layer's share is alive at a time, beside every layer's input ([tokens, hidden] in `dtype`);
+    "mlp", every layer keeps its share less its MLP block's, plus the block's input, and one
+    block's share is alive at a time.
     """
-    one = _saved_activation_bytes(config, 1, dtype, tokens, trust_remote_code, autocast)
-    two = _saved_activation_bytes(config, 2, dtype, tokens, trust_remote_code, autocast)
-    per_layer = two - one
-    if not recompute_layers:
-        return int(round((one - per_layer + per_layer * config.num_hidden_layers) / tokens))
-    inputs = config.num_hidden_layers * int(config.hidden_size) * torch.empty((), dtype=dtype).element_size()
-    return int(round(one / tokens + inputs))
+    (one, mlp), (two, _) = (_saved_activation_bytes(config, n, dtype, tokens, trust_remote_code, autocast) for n in (1, 2))
+    per_layer, layers = two - one, config.num_hidden_layers
+    hidden = int(config.hidden_size) * torch.empty((), dtype=dtype).element_size()  # one [tokens, hidden] input, per token
+    if recompute == "layers":
+        return int(round(one / tokens + layers * hidden))
+    if recompute == "mlp" and mlp > 0:
+        return int(round((one - per_layer + layers * (per_layer - mlp) + mlp) / tokens + layers * hidden))
+    return int(round((one - per_layer + per_layer * layers) / tokens))
 
 
-def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int, chunk_tokens: Optional[int] = None) -> int:
-    """Predicted peak of one indexing batch: weights + activations + LOGIT_PEAK_COPIES × fp32 logits.
+def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int, chunk_tokens: Optional[int] = None, copies: float = 1.0) -> int:
+    """Predicted peak of one indexing batch: weights + activations + `copies` × fp32 logits.
 
     `tokens` counts every position of the padded batch (batch × padded length); `chunk_tokens` is
-    grads.loss_chunk_tokens (None: the whole batch's supervised tokens at once).
+    grads.loss_chunk_tokens (None: the whole batch's supervised tokens at once); `copies` is
+    `memory.logit_peak_copies` of the model's logit dtype.
     """
-    return int(weights + tokens * act_per_token + LOGIT_PEAK_COPIES * fp32_logit_bytes(n_supervised, vocab_size, chunk_tokens))
+    return int(weights + tokens * act_per_token + copies * fp32_logit_bytes(n_supervised, vocab_size, chunk_tokens))
 
 
-def largest_fitting_batch(counts_desc: Sequence[int], longest: int, vocab_size: int, weights: int, act_per_token: int, memory_bytes: int, chunk_tokens: Optional[int] = None) -> int:
+def largest_fitting_batch(
+    counts_desc: Sequence[int], longest: int, vocab_size: int, weights: int, act_per_token: int, memory_bytes: int, chunk_tokens: Optional[int] = None, copies: float = 1.0
+) -> int:
     """Largest b whose worst-case batch fits in `memory_bytes`: the b rows with most supervised
     tokens (`counts_desc`, sorted descending), padded to the longest row. 0 when one row does not fit."""
     b = np.arange(1, len(counts_desc) + 1, dtype=np.int64)
     worst = np.cumsum(np.asarray(counts_desc, dtype=np.int64))
     if chunk_tokens is not None:
         worst = np.minimum(worst, chunk_tokens)
-    need = weights + b * longest * act_per_token + LOGIT_PEAK_COPIES * worst * vocab_size * FP32_BYTES
+    need = weights + b * longest * act_per_token + copies * worst * vocab_size * FP32_BYTES
     fits = np.flatnonzero(need <= memory_bytes)
     return int(fits[-1] + 1) if len(fits) else 0
 
@@ -224,7 +237,8 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
     if autocast is not None:  # autocast keeps a low-precision copy of every Linear weight for backward
         weights += sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * torch.empty((), dtype=autocast).element_size()
-    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code, autocast=autocast, recompute_layers=g.recompute_layers)
+    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code, autocast=autocast, recompute=g.recompute)
+    copies = logit_peak_copies(torch.empty((), dtype=autocast or dtype).element_size())  # the head's logits are in the autocast dtype, if any
 
     counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
     lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
@@ -259,17 +273,17 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         "loss_chunk_tokens": chunk,
         "weights_bytes": int(weights),
         "activation_bytes_per_token": act,
-        "logit_peak_copies": LOGIT_PEAK_COPIES,
+        "logit_peak_copies": copies,
         "peak_bytes": {
-            "worst_case": peak_bytes(weights, b * int(lengths.max()), act, int(desc[:b].sum()), vocab, chunk),
-            "typical": int(round(weights + b * lengths.mean() * act + LOGIT_PEAK_COPIES * typical_logits)),
-            "largest_batch_in_index_order": max(peak_bytes(weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab, chunk) for s in batches),
+            "worst_case": peak_bytes(weights, b * int(lengths.max()), act, int(desc[:b].sum()), vocab, chunk, copies),
+            "typical": int(round(weights + b * lengths.mean() * act + copies * typical_logits)),
+            "largest_batch_in_index_order": max(peak_bytes(weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab, chunk, copies) for s in batches),
         },
         "device_memory": None if device_memory is None else {"bytes": int(device_memory), "source": source},
-        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, chunk),
+        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, chunk, copies),
         # The third lever, offered only when it is off: the same rows with a bounded loss peak.
         "largest_batch_size_that_fits_with_suggested_chunk": None if device_memory is None or chunk is not None else
-            largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, SUGGESTED_LOSS_CHUNK_TOKENS),
+            largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, SUGGESTED_LOSS_CHUNK_TOKENS, copies),
         "suggested_loss_chunk_tokens": SUGGESTED_LOSS_CHUNK_TOKENS,
         "index": index_layout(model, g, len(counts)),
     }
@@ -291,7 +305,7 @@ def format_plan(plan: Dict[str, Any]) -> str:
         f"  trainer.precision={pr['trainer.precision']}: weights in {pr['weights_dtype']}"
         + (f", forward under {pr['autocast_dtype']} autocast (its weight copies counted with the weights)" if pr["autocast_dtype"] else ""),
         f"  activations kept for backward: {human_bytes(plan['activation_bytes_per_token'])} per token (prompt and padding included)",
-        f"  predicted peak (weights {human_bytes(plan['weights_bytes'])} + activations + {copies} × fp32 logits): "
+        f"  predicted peak (weights {human_bytes(plan['weights_bytes'])} + activations + {copies:g} × fp32 logits): "
         f"worst case {human_bytes(plan['peak_bytes']['worst_case'])}, typical {human_bytes(plan['peak_bytes']['typical'])}, "
         f"largest batch in gradian index's order {human_bytes(plan['peak_bytes']['largest_batch_in_index_order'])}",
     ]
