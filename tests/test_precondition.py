@@ -178,3 +178,20 @@ def test_whitened_norms_are_stored_once_every_row_is_written_and_survive_a_resum
     resumed, once = open_index(tmp_path / "ix"), make_index(tmp_path / "once", train)
     assert resumed.whitened_damping == DEFAULT_DAMPING
     torch.testing.assert_close(resumed.whitened_norms(0, N), once.whitened_norms(0, N), rtol=1e-6, atol=0)
+
+
+def test_fisher_without_the_cached_eigendecomposition_still_equals_dense_float64(tmp_path):
+    """An index whose statistics hold the gram but no eigendecomposition (as written before it was
+    cached) is whitened from the gram at query time: the dense float64 metric's scores all the same."""
+    train, queries = random_rows(N, 0), random_rows(5, 1)
+    make_index(tmp_path / "ix", train)
+    stats = zarr.open_group(str(tmp_path / "ix"), mode="r+")["statistics"]
+    for name in ("eigvals", "eigvecs", "whitened_norms"):
+        del stats[name]
+    del stats.attrs["whitened_damping"]
+    index = open_index(tmp_path / "ix")
+    metric = dense_metric(train, queries, "fisher", 0.1)
+    modcos = sum(cross / np.sqrt(qq[:, None] * tt[None, :]) for cross, qq, tt in metric) / len(MODULES)
+    np.testing.assert_allclose(all_scores(index, queries, precondition="fisher", damping=0.1), modcos, atol=2e-5)
+    inner = sum(cross for cross, _, _ in metric)  # not scale-free, unlike cosine: F must be the mean, not the sum
+    np.testing.assert_allclose(all_scores(index, queries, score="inner", precondition="fisher", damping=0.1), inner, rtol=2e-4, atol=1e-4 * np.abs(inner).max())

@@ -131,15 +131,20 @@ class RowStatistics:
             stats.create_array("gram", data=self.gram)
             # The eigendecomposition of the mean second moment, once per index: a query's
             # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
-            # Module by module, into the two arrays it returns: no [M, s, s] temporaries at close.
-            w, v = np.empty(self.gram.shape[:2]), np.empty_like(self.gram)
-            for m in range(len(self.gram)):
-                w[m], v[m] = np.linalg.eigh(self.gram[m] / max(self.count, 1))
-            eigen = (np.clip(w, 0.0, None), v)
+            eigen = self.eigen()
             stats.create_array("eigvals", data=eigen[0])
             stats.create_array("eigvecs", data=eigen[1])
         stats.attrs["rows"] = int(self.count)
         return eigen
+
+    def eigen(self) -> tuple:
+        """(eigvals [M, s] float64 clipped at 0, eigvecs [M, s, s] float64) of each module's mean
+        second moment gram / count. Module by module, into the two arrays it returns: no other
+        [M, s, s] temporary beside the gram (47 MB each for the MLP at k = 16)."""
+        w, v = np.empty(self.gram.shape[:2]), np.empty_like(self.gram)
+        for m in range(len(self.gram)):
+            w[m], v[m] = np.linalg.eigh(self.gram[m] / max(self.count, 1))
+        return np.clip(w, 0.0, None), v
 
     @classmethod
     def load(cls, group: zarr.Group, gram: bool = True) -> Optional["RowStatistics"]:

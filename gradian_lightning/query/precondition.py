@@ -20,7 +20,6 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-import numpy as np
 import torch
 
 from gradian_lightning.errors import ConfigError
@@ -91,11 +90,7 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
         raise ConfigError(
             f"setting 'query.precondition'=fisher needs module blocks of equal size at most {GRAM_MAX_SIZE} (grads.projection_dim <= 32) but the index at {str(index.path)!r} has none; use query.precondition=diag"
         )
-    if cached:
-        w, v = group["eigvals"][:], group["eigvecs"][:]
-    else:
-        w, v = np.linalg.eigh(stats.gram / stats.count)
-        w = np.clip(w, 0.0, None)
+    w, v = (group["eigvals"][:], group["eigvecs"][:]) if cached else stats.eigen()
     if stats.count < w.shape[1]:
         warnings.warn(f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions", stacklevel=2)
     return Preconditioner(factors=torch.from_numpy(whitening_factors(w, v, damping)))
