@@ -40,6 +40,7 @@ from gradian_lightning.index.layout import equal_block_size
 # gram is s² float64 per module: 8 MiB per module at k = 32 (s = 1024). Beyond that (k = 64:
 # 128 MiB per module) only the per-coordinate sums are kept, and `fisher` is not available.
 GRAM_MAX_SIZE = 1024
+SLAB_BYTES = 4 << 20  # the eigenvectors are computed and written this many bytes of modules at a time
 GROUP = "statistics"
 WHITENED_NORMS = "whitened_norms"
 WHITENED_DAMPING = "whitened_damping"
@@ -68,16 +69,22 @@ def layout_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
     return list(meta.get("modules") or [{"name": "row", "offset": 0, "size": int(meta["width"])}])
 
 
+def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
+    """(F + λI)^-½ [s, s] float32 of one module from F's eigendecomposition (eigvals [s] >= 0,
+    eigvecs [s, s]); λ = `damping` × the mean eigenvalue. A module whose rows are all zero (mean
+    eigenvalue 0) gets the identity: nothing to whiten."""
+    level = eigvals.mean()
+    if level <= 0:
+        return np.eye(len(eigvals), dtype=np.float32)
+    return ((eigvecs * (1.0 / np.sqrt(eigvals + damping * level))) @ eigvecs.T).astype(np.float32)  # V diag((w + λ)^-½) Vᵀ
+
+
 def whitening_factors(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
-    """(F_m + λ_m I)^-½ [M, s, s] float32 from F_m's eigendecomposition (eigvals [M, s] >= 0,
-    eigvecs [M, s, s]); λ_m = `damping` × module m's mean eigenvalue. A module whose rows are all
-    zero (mean eigenvalue 0) gets the identity: nothing to whiten."""
+    """`whitening_factor` of every module: [M, s, s] float32 from eigvals [M, s], eigvecs [M, s, s]."""
     factors = np.empty(eigvecs.shape, dtype=np.float32)
-    # One module at a time: the temporaries are one [s, s] block, not another [M, s, s] array
-    # (the writer computes these beside the gram and its eigenvectors, 94 MB each for the MLP at k = 16).
+    # One module at a time: the temporaries are one [s, s] block, not another [M, s, s] array.
     for m, (w, v) in enumerate(zip(eigvals, eigvecs)):
-        level = w.mean()
-        factors[m] = (v * (1.0 / np.sqrt(w + damping * level))) @ v.T if level > 0 else np.eye(len(w))  # V diag((w + λ)^-½) Vᵀ
+        factors[m] = whitening_factor(w, v, damping)
     return factors
 
 
@@ -116,35 +123,56 @@ class RowStatistics:
         gram = None if self.gram is None or other.gram is None else self.gram + other.gram
         return RowStatistics(self.count + other.count, self.sumsq + other.sumsq, gram)
 
-    def save(self, group: zarr.Group) -> Optional[tuple]:
+    def save(self, group: zarr.Group, damping: Optional[float] = None) -> Optional[np.ndarray]:
         """Write (or replace) the `statistics` subgroup of an index group opened for writing.
 
-        Returns the eigendecomposition it stored (eigvals [M, s], eigvecs [M, s, s]) or None without gram.
+        Returns the whitening factors at `damping` ([M, s, s] float32, `whitening_factor`) when
+        `damping` is given and gram is kept, else None.
         """
         stats = group.require_group(GROUP)
         stats.attrs.pop(WHITENED_DAMPING, None)  # first: the whitened norms are of the old statistics
         for name in list(stats.array_keys()):
             del stats[name]
         stats.create_array("sumsq", data=self.sumsq)
-        eigen = None
+        factors = None
         if self.gram is not None:
-            stats.create_array("gram", data=self.gram)
             # The eigendecomposition of the mean second moment, once per index: a query's
             # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
-            eigen = self.eigen()
-            stats.create_array("eigvals", data=eigen[0])
-            stats.create_array("eigvecs", data=eigen[1])
+            # The eigenvectors a slab of modules at a time (about 4 MiB), so that closing an index
+            # costs one slab's temporaries beside the gram (47 MB for the MLP at k = 16), not an
+            # array of the gram's size. They are stored uncompressed: zstd keeps 95% of their bytes
+            # (69% of a gram's) and would be a third of the close's time.
+            blocks, size = self.gram.shape[:2]
+            chunks = (1, size, size)
+            stats.create_array("gram", data=self.gram, chunks=chunks)
+            eigvecs = stats.create_array("eigvecs", shape=self.gram.shape, chunks=chunks, dtype=np.float64, compressors=None)
+            eigvals = np.empty((blocks, size))
+            factors = np.empty(self.gram.shape, dtype=np.float32) if damping is not None else None
+            slab = max(1, SLAB_BYTES // (size * size * 8))
+            for lo in range(0, blocks, slab):
+                hi = min(lo + slab, blocks)
+                vectors = np.empty((hi - lo, size, size))
+                for m in range(lo, hi):
+                    eigvals[m], vectors[m - lo] = self.module_eigen(m)
+                    if factors is not None:
+                        factors[m] = whitening_factor(eigvals[m], vectors[m - lo], damping)
+                eigvecs[lo:hi] = vectors
+            stats.create_array("eigvals", data=eigvals)
         stats.attrs["rows"] = int(self.count)
-        return eigen
+        return factors
+
+    def module_eigen(self, m: int) -> tuple:
+        """(eigvals [s] float64 clipped at 0, eigvecs [s, s] float64) of module m's mean second
+        moment gram[m] / count."""
+        w, v = np.linalg.eigh(self.gram[m] / max(self.count, 1))
+        return np.clip(w, 0.0, None), v
 
     def eigen(self) -> tuple:
-        """(eigvals [M, s] float64 clipped at 0, eigvecs [M, s, s] float64) of each module's mean
-        second moment gram / count. Module by module, into the two arrays it returns: no other
-        [M, s, s] temporary beside the gram (47 MB each for the MLP at k = 16)."""
+        """`module_eigen` of every module: (eigvals [M, s], eigvecs [M, s, s]) float64."""
         w, v = np.empty(self.gram.shape[:2]), np.empty_like(self.gram)
         for m in range(len(self.gram)):
-            w[m], v[m] = np.linalg.eigh(self.gram[m] / max(self.count, 1))
-        return np.clip(w, 0.0, None), v
+            w[m], v[m] = self.module_eigen(m)
+        return w, v
 
     @classmethod
     def load(cls, group: zarr.Group, gram: bool = True) -> Optional["RowStatistics"]:

@@ -16,7 +16,7 @@ from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NORMS, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, decode, encode, module_norms
 from gradian_lightning.index.location import Location
-from gradian_lightning.index.statistics import GROUP, WHITENED_DAMPING, WHITENED_NORMS, RowStatistics, counted, layout_blocks, whiten, whitening_factors
+from gradian_lightning.index.statistics import GROUP, WHITENED_DAMPING, WHITENED_NORMS, RowStatistics, counted, layout_blocks, whiten
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -189,10 +189,9 @@ class IndexWriter:
         else:
             array.oindex[where] = values
 
-    def _store_whitened_norms(self, eigen: tuple) -> None:
-        """One pass over the rows: each module block's norm after whitening at the default damping
-        (statistics.py: why). The attribute that makes them valid is written last."""
-        factors = torch.from_numpy(whitening_factors(*eigen, DEFAULT_DAMPING))
+    def _store_whitened_norms(self, factors: torch.Tensor) -> None:
+        """One pass over the rows: each module block's norm after whitening by `factors` [M, s, s]
+        at the default damping (statistics.py: why). The attribute that makes them valid is written last."""
         stats = self.group[GROUP]
         norms = stats.create_array(WHITENED_NORMS, shape=(self.num_rows, len(self.blocks)), chunks=self.group[NORMS].chunks, dtype=np.float32, fill_value=0.0)
         for lo in range(0, self.num_rows, self.chunk):
@@ -208,8 +207,8 @@ class IndexWriter:
         complete = bool(self.done.all())
         # Summed with the rows from before only when there were any: each gram is M·k⁴ float64 (47 MB for the MLP at k = 16).
         stats = self.statistics + self._statistics_before() if self._done_before.any() else self.statistics
-        eigen = stats.save(self.group)
-        if complete and eigen is not None and self.store_norms:
-            self._store_whitened_norms(eigen)
+        factors = stats.save(self.group, DEFAULT_DAMPING if complete and self.store_norms else None)
+        if factors is not None:
+            self._store_whitened_norms(torch.from_numpy(factors))
         self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
         return complete
