@@ -116,8 +116,13 @@ class RowStatistics:
         self.count += len(rows)
         self.sumsq += rows.square().sum(dim=0).numpy()
         if self.gram is not None:
-            view = rows.view(len(rows), self.gram.shape[0], self.gram.shape[1])
-            self.gram += torch.einsum("nmi,nmj->mij", view, view).numpy()
+            # Into the gram in place, a module at a time: an einsum over all modules would make a
+            # temporary of the gram's size (47 MB for the MLP at k = 16) at every flush, which was
+            # the indexing process's peak.
+            gram, size = torch.from_numpy(self.gram), self.gram.shape[1]
+            for m in range(len(gram)):
+                block = rows[:, m * size : (m + 1) * size]
+                gram[m].addmm_(block.T, block)
 
     def __add__(self, other: "RowStatistics") -> "RowStatistics":
         gram = None if self.gram is None or other.gram is None else self.gram + other.gram
