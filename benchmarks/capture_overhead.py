@@ -88,7 +88,9 @@ def child(args: argparse.Namespace) -> None:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             patterns, recompute = _variant(args.variant)
-            indexer = GradientIndexer(f"{tmp}/index", patterns.split(","), projection_dim=args.projection_dim, storage_dtype="float16", recompute=recompute)
+            # rows_per_chunk: chunks are flushed (and the row statistics summed) during the run, as in
+            # an index of thousands of rows, not once at its close.
+            indexer = GradientIndexer(f"{tmp}/index", patterns.split(","), projection_dim=args.projection_dim, storage_dtype="float16", recompute=recompute, rows_per_chunk=2 * args.batch_size)
             class BatchStarts(L.Callback):
                 def on_validation_batch_start(self, *args: Any) -> None:
                     starts.append(time.perf_counter())
