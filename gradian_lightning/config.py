@@ -23,7 +23,7 @@ NORMALIZE = ("module", "row")
 ENGINES = ("local", "dask")
 PRECONDITIONS = ("auto", "none", "diag", "fisher")
 # What the indexing backward recomputes instead of keeping (gradients/recompute.py); mlp measured
-# 0.58x the plain step's peak RSS at 0.67-0.72x its time on SmolLM2 (benchmarks/RESULTS.md §1).
+# 0.58x the plain step's peak RSS at 0.67-0.74x its time on SmolLM2 (benchmarks/RESULTS.md §1).
 RECOMPUTE = ("mlp", "layers", "none")
 DEFAULT_RECOMPUTE = "mlp"
 # The measured best (benchmarks/RANKING.md, issue 10's grid): fisher where the index keeps the k²×k²
