@@ -117,8 +117,7 @@ class RowStatistics:
         self.sumsq += rows.square().sum(dim=0).numpy()
         if self.gram is not None:
             # Into the gram in place, a module at a time: an einsum over all modules would make a
-            # temporary of the gram's size (47 MB for the MLP at k = 16) at every flush, which was
-            # the indexing process's peak.
+            # temporary of the gram's size (47 MB for the MLP at k = 16) at every flush.
             gram, size = torch.from_numpy(self.gram), self.gram.shape[1]
             for m in range(len(gram)):
                 block = rows[:, m * size : (m + 1) * size]
