@@ -109,3 +109,24 @@ def test_grads_recompute_reaches_the_indexer_from_the_config(tmp_path, saved_mod
     assert plans["layers"] < plans["mlp"] < plans["none"]
     with pytest.raises(ConfigError, match="setting 'grads.recompute'='all' is not allowed; use mlp or layers or none"):
         make_plan(index_config(saved_model, data, tmp_path / "p", "grads.recompute=all"))
+
+
+def test_units_a_wrapper_already_checkpoints_are_left_to_it(tokenizer):
+    """An MLP block, or a whole layer, under torch's checkpoint_wrapper (as Lightning's activation
+    checkpointing applies it) is not recomputed a second time, and the rows are unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = make_model(len(tokenizer), hidden=64, layers=3)
+    layers = model.model.layers
+    layers[0].mlp = checkpoint_wrapper(layers[0].mlp)
+    layers[1] = checkpoint_wrapper(layers[1])
+    assert recomputed_units(model, "mlp") == [layers[2].mlp]  # layer 0's block is wrapped, layer 1 is
+    assert recomputed_units(model, "layers") == [layers[0], layers[2]]
+    assert recomputed_units(model, "none") == []
+    modules = select_modules(model, ["down_proj"])
+    projector = KroneckerProjector(modules, 4, 0)
+    with torch.enable_grad():
+        kept, _ = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute="none")
+        for what in ("mlp", "layers"):
+            got, _ = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute=what)
+            torch.testing.assert_close(got, kept, rtol=1e-6, atol=1e-7)

@@ -43,22 +43,26 @@ def decoder_layers(model: nn.Module) -> List[nn.Module]:
     return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
+def _wrapped(module: nn.Module) -> bool:
+    return any(name in c.__name__ for c in type(module).__mro__ for name in _MANAGED)
+
+
 def _managed(layer: nn.Module) -> bool:
-    if any(name in c.__name__ for c in type(layer).__mro__ for name in _MANAGED):
-        return True
-    return any(type(p).__name__ == "DTensor" for p in layer.parameters(recurse=True))
+    return _wrapped(layer) or any(type(p).__name__ == "DTensor" for p in layer.parameters(recurse=True))
 
 
 def recomputed_units(model: nn.Module, what: str) -> List[nn.Module]:
     """The modules `grads.recompute` = `what` runs again in the backward: "layers" the decoder
-    layers, "mlp" their `mlp` blocks, "none" nothing."""
-    layers = decoder_layers(model)
-    if what == "layers":
-        return layers
-    if what == "mlp":
-        # A block inside a layer that a wrapper already manages is left to that wrapper too.
-        return [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module) and not _managed(layer)]
-    return []
+    layers, "mlp" their `mlp` blocks, "none" nothing. A unit that a wrapper already manages, or
+    that sits in a layer it manages, is left to that wrapper."""
+    if what == "none":
+        return []
+    units = []
+    for layer in decoder_layers(model):
+        unit = layer if what == "layers" else getattr(layer, "mlp", None)
+        if isinstance(unit, nn.Module) and not _managed(layer) and not _wrapped(unit):
+            units.append(unit)
+    return units
 
 
 @contextlib.contextmanager
@@ -69,8 +73,8 @@ def recomputed_modules(model: nn.Module, capture: LinearCapture, what: str) -> I
     `capture`'s hooks see the recomputation as such (`LinearCapture.recomputing`), so each module
     is still captured once. The forward and the backward must both run inside this context.
     """
-    layers = [layer for layer in recomputed_units(model, what) if not _managed(layer)]
-    own = [layer.__dict__.get("forward") for layer in layers]  # an instance-level forward (e.g. accelerate's hooks) is kept and called
+    units = recomputed_units(model, what)
+    own = [unit.__dict__.get("forward") for unit in units]  # an instance-level forward (e.g. accelerate's hooks) is kept and called
 
     def recomputed(inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -80,12 +84,12 @@ def recomputed_modules(model: nn.Module, capture: LinearCapture, what: str) -> I
         return forward
 
     try:
-        for layer, inner in zip(layers, own):
-            layer.forward = recomputed(inner or functools.partial(type(layer).forward, layer))
+        for unit, inner in zip(units, own):
+            unit.forward = recomputed(inner or functools.partial(type(unit).forward, unit))
         yield
     finally:
-        for layer, inner in zip(layers, own):
+        for unit, inner in zip(units, own):
             if inner is None:
-                layer.__dict__.pop("forward", None)
+                unit.__dict__.pop("forward", None)
             else:
-                layer.forward = inner
+                unit.forward = inner
