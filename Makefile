@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install quickstart
+.PHONY: test install quickstart lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,3 +16,7 @@ test: install
 
 quickstart: install
 	$(BIN)/gradian quickstart
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .

@@ -33,7 +33,16 @@ from functools import partial
 from typing import Any, Dict, List
 
 from benchmarks.common import (
-    command_line, emit, fmt_bytes, load_model, machine, peak_rss_bytes, run_child, synthetic_examples, table, write_result,
+    command_line,
+    emit,
+    fmt_bytes,
+    load_model,
+    machine,
+    peak_rss_bytes,
+    run_child,
+    synthetic_examples,
+    table,
+    write_result,
 )
 
 FILTERS = {"down_proj": "down_proj", "mlp": "gate_proj,up_proj,down_proj", "all_linear": "*.layers.*"}  # every decoder Linear; lm_head left out
@@ -67,8 +76,8 @@ def child(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
-    from gradian_lightning.index.callback import GradientIndexer
     from gradian_lightning.data import collate
+    from gradian_lightning.index.callback import GradientIndexer
     from gradian_lightning.recipes.index import CausalLMModule
 
     torch.set_num_threads(args.threads)
@@ -210,7 +219,7 @@ def main() -> None:
             parts = prof["seconds"]
             other = total - sum(parts.values())
             profiles.append([model, *(f"{parts[k]:.2f} ({100 * parts[k] / total:.0f}%)" for k in parts), f"{other:.2f} ({100 * other / total:.0f}%)", f"{total:.2f}"])
-    m = machine()
+    machine()
     header = ["model", "variant", "tokens/s (loop)", "process wall s", "peak RSS", "wall ratio (process)", "time ratio (loop)", "time ratio (steady step)", "peak RSS ratio"]
     body = f"projection_dim {args.projection_dim}, storage float16, {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; " \
            + "; ".join(f"{k}: {b} batches × {bs} rows × {s} tokens" for k, (b, bs, s) in settings.items()) + ".\n\n" + table(header, rows)

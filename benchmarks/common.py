@@ -55,7 +55,7 @@ def machine() -> Dict[str, str]:
         pass
     ram = "unknown"
     try:
-        kib = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
+        kib = int(next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")).split()[1])
         ram = f"{kib / 2**20:.1f} GiB"
     except (OSError, StopIteration):
         pass

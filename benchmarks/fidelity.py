@@ -34,8 +34,8 @@ def example_factors(model, tokenizer, rows: Sequence[dict], patterns: List[str],
     """(selected modules, per-example {module: (x [t, in], g [t, out])}) for the loss of each row."""
     import torch
 
-    from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.data import JsonlDataset, collate
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.gradients.loss import supervised_token_loss
 
     modules = select_modules(model, patterns)
@@ -93,13 +93,14 @@ def spearman(a, b) -> float:
     """Spearman ρ of two flat arrays (ties get ordinal ranks: scores here are continuous)."""
     import numpy as np
 
-    ra = np.empty(len(a)); ra[np.argsort(a, kind="stable")] = np.arange(len(a))
-    rb = np.empty(len(b)); rb[np.argsort(b, kind="stable")] = np.arange(len(b))
+    ra = np.empty(len(a))
+    ra[np.argsort(a, kind="stable")] = np.arange(len(a))
+    rb = np.empty(len(b))
+    rb[np.argsort(b, kind="stable")] = np.arange(len(b))
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def cosine(rows_q, rows_t):
-    import torch
 
     q = rows_q.double() / rows_q.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
     t = rows_t.double() / rows_t.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
@@ -119,8 +120,8 @@ def main() -> None:
 
     from gradian_lightning.data import read_jsonl
     from gradian_lightning.gradients.projection import KroneckerProjector
-    from gradian_lightning.query.topk import _unit_modules
     from gradian_lightning.index.layout import decode, encode
+    from gradian_lightning.query.topk import _unit_modules
 
     torch.manual_seed(0)
     queries = read_jsonl(QUICKSTART / "queries.jsonl")[: 3 if args.smoke else args.queries]
@@ -167,7 +168,7 @@ def main() -> None:
                          f"{spearman(by_module.ravel(), exact_module_qt.ravel()):.4f}", f"{per_query_module:.4f}"])
         for dtype in ("float16", "bfloat16"):
             k = min(10, exact_qt.shape[1])
-            top = lambda s: [set(np.argsort(-s[i])[:k]) for i in range(nq)]  # noqa: E731
+            top = lambda s, k=k: [set(np.argsort(-s[i])[:k]) for i in range(nq)]  # noqa: E731
             overlap = np.mean([len(a & b) / k for a, b in zip(top(scores[dtype]), top(scores["float32"]))])
             diff = np.abs(scores[dtype] - scores["float32"]).max()
             fp16_rows.append([dim, dtype, f"{spearman(scores[dtype].ravel(), scores['float32'].ravel()):.6f}", f"{overlap:.3f}", f"{diff:.2e}"])

@@ -36,8 +36,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from gradian_lightning.gradients.capture import select_modules
     from gradian_lightning.data import read_jsonl
+    from gradian_lightning.gradients.capture import select_modules
     from gradian_lightning.index.writer import IndexWriter
 
     tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2))

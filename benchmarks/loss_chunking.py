@@ -26,9 +26,16 @@ import time
 from typing import Any, Dict, List
 
 from benchmarks.common import (
+    command_line,
+    emit,
+    fmt_bytes,
     largest_fp32_vocab_tensor,
     peak_rss_rise,
-    command_line, emit, fmt_bytes, run_child, synthetic_examples, table, tiny_llama, write_result,
+    run_child,
+    synthetic_examples,
+    table,
+    tiny_llama,
+    write_result,
 )
 
 VOCAB = 128_256  # Llama-3's

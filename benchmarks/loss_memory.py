@@ -23,9 +23,16 @@ import argparse
 from typing import Any, Dict, List
 
 from benchmarks.common import (
+    command_line,
+    emit,
+    fmt_bytes,
     largest_fp32_vocab_tensor,
+    load_model,
     peak_rss_rise,
-    command_line, emit, fmt_bytes, load_model, run_child, synthetic_examples, table, write_result,
+    run_child,
+    synthetic_examples,
+    table,
+    write_result,
 )
 
 BATCHES, SEQS, FRACTIONS = (1, 2, 4, 8), (256, 512), (0.10, 0.25, 1.00)

@@ -38,8 +38,8 @@ def measure(model_dir: str, batch_size: int, prompt: int, supervised: int) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.gradients.batch import projected_gradients
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.gradients.loss import supervised_targets
     from gradian_lightning.gradients.memory import fp32_logit_bytes
     from gradian_lightning.gradients.projection import KroneckerProjector

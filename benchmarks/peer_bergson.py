@@ -28,7 +28,17 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
-from benchmarks.common import ROOT, SMOLLM2, bytes_on_disk, command_line, fmt_bytes, measure_command, table, tiny_llama, write_result
+from benchmarks.common import (
+    ROOT,
+    SMOLLM2,
+    bytes_on_disk,
+    command_line,
+    fmt_bytes,
+    measure_command,
+    table,
+    tiny_llama,
+    write_result,
+)
 
 VENV = Path(os.environ.get("GRADIAN_PEER_VENV", Path.home() / ".cache" / "gradian" / "bench-peer-venv"))
 DATA = ROOT / "gradian_lightning" / "recipes" / "quickstart" / "train.jsonl"

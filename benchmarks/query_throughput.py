@@ -92,7 +92,7 @@ def main() -> None:
         decoded = torch.empty(index.grads.chunks[0], args.width)
 
         def read_decode() -> None:
-            for lo, stored in index.stored_chunks():
+            for _lo, stored in index.stored_chunks():
                 decode(stored, "float16", out=decoded[: len(stored)])
 
         def chunk_read() -> None:

@@ -46,7 +46,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 import gradian_lightning.index.statistics as statistics
-from benchmarks.ranking_quality import DATA, RESULTS, SMOLLM2, _loader, fine_tune, first_source_ranks, module_filters, ranking_metrics
+from benchmarks.ranking_quality import (
+    DATA,
+    RESULTS,
+    SMOLLM2,
+    _loader,
+    fine_tune,
+    first_source_ranks,
+    module_filters,
+    ranking_metrics,
+)
 from gradian_lightning import open_index
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
@@ -236,7 +245,7 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
                             scores[(name, f, k, p if variant == "plain" else "adam", d, variant)] = s
                 log(f"  {kind}/{name}/{f}: scored ({time.perf_counter() - start:.0f} s)")
     records = []
-    for (name, f, k, p, d, variant), s in scores.items():
+    for (name, f, k, p, d, _variant), s in scores.items():
         records.append({"model": name, "checkpoints": "last", "filter": f, "dim": k, "precondition": p, "damping": d, **ranking_metrics(first_source_ranks(s, sources))})
         if name == "ft":
             # base + ft, equal weights; adam applies to the fine-tuned checkpoint only (the base has no optimizer state)
@@ -267,7 +276,7 @@ def cells(results: Dict[str, Dict]) -> Dict[tuple, Dict]:
 def recipes(results: Dict[str, Dict]) -> List[tuple]:
     """Every (filter, dim, precondition, damping) scored on every kind's pretrained model."""
     keys = None
-    for key_set in ({(f, d, p, l) for (kd, c, f, d, p, l) in cells(results) if c == "pretrained" and kd == kind} for kind in results):
+    for key_set in ({(f, d, p, lay) for (kd, c, f, d, p, lay) in cells(results) if c == "pretrained" and kd == kind} for kind in results):
         keys = key_set if keys is None else keys & key_set
     order = {"exact": 0, "16": 1, "32": 2, "64": 3}
     return sorted(keys or [], key=lambda k: (FILTERS.index(k[0]), order[k[1]], k[2], k[3]))
@@ -310,7 +319,7 @@ def report(results: Optional[Dict[str, Dict]] = None) -> str:
                     continue
                 row = [" / ".join(f"{table[(kind, c, f, '16', p, d)]['mrr']:.2f}" for c in ("pretrained", "ft-last", "ft-base+ft")) for kind in swept]
                 lines.append(f"| {f} | {p} | {d} | " + " | ".join(row) + " |")
-    adam = [(kind, r) for (kind, case, f, d, p, l), r in table.items() if p == "adam"]
+    adam = [(kind, r) for (kind, case, f, d, p, _lay), r in table.items() if p == "adam"]
     if adam:
         lines += ["", "#### adam (fine-tuned model only): MRR own checkpoint / base+ft, against none", "",
                   "| filter | k | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]

@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader
 
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
 

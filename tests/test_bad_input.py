@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from conftest import ROWS, make_model, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import DataError
 from gradian_lightning.gradients.memory import fp32_logit_bytes
-
-from conftest import ROWS, make_model, write_jsonl
 
 
 def run(capsys, *argv):

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from smollm2 import smollm2_dir
 
 ROOT = Path(__file__).resolve().parents[1]

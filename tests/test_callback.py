@@ -6,15 +6,14 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import make_model
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
-
-from conftest import make_model
 
 
 class FineTune(L.LightningModule):
@@ -58,7 +57,7 @@ def test_validate_writes_every_row_at_its_position(tmp_path, model, dataset, inf
     torch.testing.assert_close(index.rows(slice(None)), want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(index.column("loss"), losses.numpy(), rtol=1e-5)
     assert list(index.column("id")) == [e.id for e in dataset.examples]
-    assert index.column("supervised_tokens").tolist() == [sum(l != -100 for l in e.labels[1:]) for e in dataset.examples]
+    assert index.column("supervised_tokens").tolist() == [sum(t != -100 for t in e.labels[1:]) for e in dataset.examples]
     assert [m["name"] for m in index.meta["modules"]] == list(modules)
     assert indexer.summary["rows"] == len(dataset) and indexer.summary["empty_rows"] == []
 
@@ -110,7 +109,7 @@ def test_fit_is_bit_identical_with_and_without_the_indexer(tmp_path, tokenizer, 
         assert (grad is None and indexed["grads"][key] is None) or torch.equal(grad, indexed["grads"][key]), key
     assert plain["training"] == indexed["training"]
     assert torch.equal(plain["rng"], indexed["rng"])
-    for (ka, va), (kb, vb) in zip(plain["optimizer"]["state"].items(), indexed["optimizer"]["state"].items()):
+    for (ka, va), (_kb, vb) in zip(plain["optimizer"]["state"].items(), indexed["optimizer"]["state"].items()):
         assert all(torch.equal(va[n], vb[n]) for n in va), ka
     # one index per validation run, none for the sanity check (which runs at step 0)
     steps = sorted(p.name for p in (tmp_path / "b").glob("ix-step*"))

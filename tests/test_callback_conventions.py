@@ -8,14 +8,13 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import make_model
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
-
-from conftest import make_model
 
 
 @pytest.mark.parametrize(

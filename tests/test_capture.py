@@ -1,7 +1,7 @@
 import pytest
 
-from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.gradients.capture import select_modules
 
 
 def test_module_filter_selects_exactly(model):

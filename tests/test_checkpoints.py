@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from test_callback import FineTune, loader, trainer
 
 from gradian_lightning import GradientIndexer, open_index, query_gradients
 from gradian_lightning.errors import ConfigError, IndexMismatchError
-
-from test_callback import FineTune, loader, trainer
 
 
 class DecayingFineTune(FineTune):
@@ -110,6 +109,7 @@ def test_every_n_val_runs_and_a_one_checkpoint_index(tmp_path, model, tokenizer,
 
 def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, tokenizer, rows, saved_model):
     from conftest import make_model, write_jsonl
+
     from gradian_lightning.cli import main
 
     tuned = tmp_path / "tuned"

@@ -1,9 +1,8 @@
 import zarr
+from conftest import ROWS, write_jsonl
 
 from gradian_lightning.cli import main
 from gradian_lightning.gradients.memory import human_bytes
-
-from conftest import ROWS, write_jsonl
 
 
 def test_index_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import zarr
+from conftest import ROWS, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
-
-from conftest import ROWS, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

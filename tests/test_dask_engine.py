@@ -13,6 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROWS, write_jsonl
+from test_bad_input import run
+from test_cli_processes import clean_env
+from test_query import argsort_ranking, build_index
 
 from gradian_lightning.cli import main
 from gradian_lightning.errors import ConfigError
@@ -20,11 +24,6 @@ from gradian_lightning.index import layout
 from gradian_lightning.query import dask_engine
 from gradian_lightning.query.dask_engine import dask_client, dask_topk
 from gradian_lightning.query.topk import streaming_topk
-
-from conftest import ROWS, write_jsonl
-from test_bad_input import run
-from test_cli_processes import clean_env
-from test_query import argsort_ranking, build_index
 
 pytest.importorskip("distributed")  # the `cluster` extra; `dev` installs it, so CI runs these
 

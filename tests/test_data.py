@@ -1,13 +1,12 @@
 import pytest
+from conftest import write_jsonl
 
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl, tokenize_row
 from gradian_lightning.errors import DataError
 
-from conftest import write_jsonl
-
 
 def supervised_tokens(tokenizer, ex):
-    return tokenizer.convert_ids_to_tokens([l for l in ex.labels if l != -100])
+    return tokenizer.convert_ids_to_tokens([t for t in ex.labels if t != -100])
 
 
 def test_formats_supervise_the_right_tokens(tokenizer, rows):

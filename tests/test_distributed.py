@@ -2,12 +2,11 @@
 
 import lightning as L
 import torch
+from test_callback import FineTune
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index
 from gradian_lightning.data import JsonlDataset, collate
-
-from test_callback import FineTune
 
 
 class RecordingIndexer(GradientIndexer):

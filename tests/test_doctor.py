@@ -3,10 +3,10 @@
 import importlib.util
 import json
 import re
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import tomllib
 import torch
 
 from gradian_lightning.cli import main

@@ -3,9 +3,9 @@
 import importlib.util
 import re
 
-from gradian_lightning import open_index
-
 from smollm2 import ROOT
+
+from gradian_lightning import open_index
 
 
 def load_example(name):

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from conftest import ROWS, make_model, make_tokenizer
+from test_cli_processes import clean_env
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index, select_modules
@@ -18,9 +20,6 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import unwrapped_name
 from gradian_lightning.index.callback import check_strategy
 from gradian_lightning.recipes.index import CausalLMModule
-
-from conftest import ROWS, make_model, make_tokenizer
-from test_cli_processes import clean_env
 
 TESTS = Path(__file__).resolve().parent
 MODULES = ["down_proj", "q_proj", "lm_head"]

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import collate, tokenize_row
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
 
 MODULES = ["down_proj", "layers.0.self_attn.q_proj", "layers.1.self_attn.v_proj", "lm_head"]

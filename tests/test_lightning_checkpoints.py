@@ -7,15 +7,14 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import make_model, write_jsonl
 from omegaconf import OmegaConf
+from test_callback import loader
 
 from gradian_lightning import open_index, query_gradients
 from gradian_lightning.cli import main
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.saved_models import load_saved_model, saved_models
-
-from conftest import make_model, write_jsonl
-from test_callback import loader
 
 GRADS = ["grads.storage_dtype=float32", "grads.projection_dim=4", "grads.module_filter=[down_proj,o_proj]", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
 

@@ -4,6 +4,7 @@ matrices or the base layers, and the rows are the exact per-example gradients of
 import lightning as L
 import pytest
 import torch
+from conftest import ValidateOnly, make_model
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index, query_gradients
@@ -12,8 +13,6 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
-
-from conftest import ValidateOnly, make_model
 
 peft = pytest.importorskip("peft")
 

@@ -6,6 +6,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from conftest import ROWS, make_model, saved_activation_bytes, write_jsonl
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader
 
@@ -13,11 +14,9 @@ from gradian_lightning.cli import main
 from gradian_lightning.config import load_config
 from gradian_lightning.data import collate
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.hub import load_model_and_tokenizer
 from gradian_lightning.gradients.loss import supervised_token_loss
+from gradian_lightning.hub import load_model_and_tokenizer
 from gradian_lightning.recipes.plan import activation_bytes_per_token, largest_fitting_batch, make_plan, parse_bytes
-
-from conftest import ROWS, make_model, saved_activation_bytes, write_jsonl
 
 VOCAB = 4096  # larger than the tokenizer's: the logits must be the biggest tensor, as in real models
 
@@ -56,7 +55,7 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     measured = [upcast_bytes(model, batch) for batch in loader]
     assert max(measured) == plan["fp32_logits_bytes"]["largest_batch_in_index_order"]
     # worst case: the 3 rows with the most supervised tokens, batched together
-    counts = np.array([sum(l != -100 for l in e.labels[1:]) for e in examples])
+    counts = np.array([sum(t != -100 for t in e.labels[1:]) for e in examples])
     top = [examples[i] for i in np.argsort(-counts, kind="stable")[:3]]
     assert upcast_bytes(model, collate(top)) == plan["fp32_logits_bytes"]["worst_case"]
     s = plan["supervised_tokens"]
@@ -143,4 +142,4 @@ def sorted_counts(model_dir, rows):
     from gradian_lightning.data import JsonlDataset
 
     examples = JsonlDataset(rows, AutoTokenizer.from_pretrained(str(model_dir)), 512).examples
-    return sorted((sum(l != -100 for l in e.labels[1:]) for e in examples), reverse=True), max(len(e.input_ids) for e in examples)
+    return sorted((sum(t != -100 for t in e.labels[1:]) for e in examples), reverse=True), max(len(e.input_ids) for e in examples)

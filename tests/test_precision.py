@@ -6,6 +6,7 @@ import contextlib
 import lightning as L
 import pytest
 import torch
+from conftest import ROWS, ValidateOnly, make_model, saved_activation_bytes, write_jsonl
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
@@ -15,8 +16,6 @@ from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.loss import LSE_ROWS, supervised_targets
 from gradian_lightning.recipes.plan import make_plan
-
-from conftest import ROWS, ValidateOnly, make_model, saved_activation_bytes, write_jsonl
 
 # Measured on this suite's tiny Llama (hidden 64, random init): the largest per-row relative error
 # ‖row - fp32 row‖ / ‖fp32 row‖ was 0.0086 under bf16-mixed and 0.0093 under bf16-true (bf16 keeps

@@ -7,18 +7,17 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import ROWS, make_model, write_jsonl
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index, query_gradients, streaming_topk
-from gradian_lightning.index import layout
 from gradian_lightning.cli import main
 from gradian_lightning.data import JsonlDataset, collate
-from gradian_lightning.recipes.index import CausalLMModule
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
-from gradian_lightning.query.rows import check_matches_index
+from gradian_lightning.index import layout
 from gradian_lightning.index.writer import IndexWriter
-
-from conftest import ROWS, make_model, write_jsonl
+from gradian_lightning.query.rows import check_matches_index
+from gradian_lightning.recipes.index import CausalLMModule
 
 META = {"fingerprint": "t", "global_step": 0}
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
 

@@ -4,6 +4,8 @@ same rows as keeping every activation, and the model exactly as it was afterward
 import lightning as L
 import pytest
 import torch
+from conftest import ROWS, ValidateOnly, make_model
+from test_gradients import examples
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index
@@ -13,9 +15,6 @@ from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import decoder_layers, recomputed_modules, recomputed_units
-
-from conftest import ROWS, ValidateOnly, make_model
-from test_gradients import examples
 
 
 def batch_of(tokenizer):
@@ -83,11 +82,12 @@ def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, t
 def test_grads_recompute_reaches_the_indexer_from_the_config(tmp_path, saved_model, monkeypatch):
     """`gradian index ... grads.recompute=layers` (and the default, mlp) recompute what they say and write the rows of
     `grads.recompute=none`, and plan models each."""
-    import gradian_lightning.gradients.batch as batch_module
     from conftest import write_jsonl
+    from test_remote_store import index_config
+
+    import gradian_lightning.gradients.batch as batch_module
     from gradian_lightning.recipes.index import run_index
     from gradian_lightning.recipes.plan import make_plan
-    from test_remote_store import index_config
 
     calls = []
 

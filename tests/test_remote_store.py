@@ -6,16 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROWS, write_jsonl
+from test_bad_input import index_args, run
 
 from gradian_lightning import open_index
 from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.location import Location, missing_filesystem
 from gradian_lightning.recipes.index import run_index
-
-from conftest import ROWS, write_jsonl
-from test_bad_input import index_args, run
-
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml"
 

@@ -4,11 +4,10 @@ import ast
 from pathlib import Path
 
 import zarr
+from conftest import ROWS, write_jsonl
 
 import gradian_lightning
 from gradian_lightning.cli import main
-
-from conftest import ROWS, write_jsonl
 
 PACKAGE = Path(gradian_lightning.__file__).parent
 UNPICKLERS = {"pickle", "cPickle", "dill", "joblib", "cloudpickle", "shelve", "marshal"}

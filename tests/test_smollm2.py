@@ -3,11 +3,10 @@
 import json
 
 import numpy as np
+from smollm2 import ROOT, smollm2_dir
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
-
-from smollm2 import ROOT, smollm2_dir
 
 
 def test_index_and_query_smollm2_down_proj(tmp_path, capsys):

@@ -3,9 +3,9 @@ import pytest
 import torch
 import zarr
 
-from gradian_lightning.index import layout
-from gradian_lightning.errors import ConfigError, IndexFormatError
 from gradian_lightning import open_index
+from gradian_lightning.errors import ConfigError, IndexFormatError
+from gradian_lightning.index import layout
 from gradian_lightning.index.writer import IndexWriter
 
 N, D = 10, 8

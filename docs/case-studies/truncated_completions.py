@@ -84,8 +84,8 @@ def main() -> None:
     for qid in full:
         code = qid.split("-", 1)[1]
         fmt = lambda r: ", ".join(f"{i} ({s:.2f})" for i, s in r["top"])  # noqa: E731
-        rank = lambda r, suffix: str(r["rank"].get(f"{code}-{suffix}", "excluded"))  # noqa: E731
-        cos = lambda r: dict(r["all"]).get(f"{code}-long")  # noqa: E731
+        rank = lambda r, suffix, code=code: str(r["rank"].get(f"{code}-{suffix}", "excluded"))  # noqa: E731
+        cos = lambda r, code=code: dict(r["all"]).get(f"{code}-long")  # noqa: E731
         lp = f"{rank(full[qid], 'longprompt')} → {rank(small[qid], 'longprompt')}" if f"{code}-longprompt" in n_full else ""
         print(f"| {qid} | {fmt(full[qid])} | {fmt(small[qid])} | {rank(full[qid], 'short')} → {rank(small[qid], 'short')} | "
               f"{rank(full[qid], 'long')} → {rank(small[qid], 'long')} | {cos(full[qid]):.3f} → {cos(small[qid]):.3f} | {lp} |")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
-
-import time
 
 import lightning as L
 import numpy as np
@@ -20,7 +19,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from gradian_lightning.config import DEFAULT_MODULE_FILTER, DEFAULT_RECOMPUTE, RECOMPUTE, STORAGE_DTYPES, module_patterns
+from gradian_lightning.config import (
+    DEFAULT_MODULE_FILTER,
+    DEFAULT_RECOMPUTE,
+    RECOMPUTE,
+    STORAGE_DTYPES,
+    module_patterns,
+)
 from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, GradianError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules

@@ -34,6 +34,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch
+
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.location import Location
 

@@ -15,7 +15,14 @@ from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.checkpoints import checkpoint_entries
 from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, read_meta
 from gradian_lightning.index.location import Location
-from gradian_lightning.index.statistics import GROUP, WHITENED_DAMPING, WHITENED_NORMS, RowStatistics, counted, layout_blocks
+from gradian_lightning.index.statistics import (
+    GROUP,
+    WHITENED_DAMPING,
+    WHITENED_NORMS,
+    RowStatistics,
+    counted,
+    layout_blocks,
+)
 
 # Bytes of per-row arrays (flags, norms) one read fetches while streaming: see `IndexReader._span`.
 METADATA_READ_BYTES = 4 * 2**20

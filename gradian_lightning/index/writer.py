@@ -14,9 +14,27 @@ import zarr
 
 from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, NORMS, NUMPY_DTYPE, ROW_ARRAYS, chunk_rows, decode, encode, module_norms
+from gradian_lightning.index.layout import (
+    ATTRIBUTE,
+    FORMAT_VERSION,
+    NORMS,
+    NUMPY_DTYPE,
+    ROW_ARRAYS,
+    chunk_rows,
+    decode,
+    encode,
+    module_norms,
+)
 from gradian_lightning.index.location import Location
-from gradian_lightning.index.statistics import GROUP, WHITENED_DAMPING, WHITENED_NORMS, RowStatistics, counted, layout_blocks, whiten
+from gradian_lightning.index.statistics import (
+    GROUP,
+    WHITENED_DAMPING,
+    WHITENED_NORMS,
+    RowStatistics,
+    counted,
+    layout_blocks,
+    whiten,
+)
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:

@@ -24,7 +24,14 @@ import torch
 
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.index.statistics import GRAM_MAX_SIZE, GROUP, gram_block_size, layout_blocks, whiten, whitening_factors
+from gradian_lightning.index.statistics import (
+    GRAM_MAX_SIZE,
+    GROUP,
+    gram_block_size,
+    layout_blocks,
+    whiten,
+    whitening_factors,
+)
 
 # λ relative to the mean eigenvalue when the setting is 0: small enough to keep the whitening,
 # large enough that float32 rows times (w + λ)^-½ cannot overflow.

@@ -27,7 +27,6 @@ from gradian_lightning.index.layout import decode, equal_block_size, module_norm
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve
 
-
 # Scores held before they are merged into the running top-k: [Q, 4096] float32 is 16 KiB a query.
 MERGE_COLUMNS = 4096
 

@@ -180,7 +180,7 @@ def _gib(n: int) -> str:
 
 def format_markdown(report: Dict[str, Any]) -> str:
     """The report as Markdown, for a bug report."""
-    out = [f"## gradian doctor", "", f"gradian-lightning {report['gradian']} on {report['platform']}", "", "### Versions", "",
+    out = ["## gradian doctor", "", f"gradian-lightning {report['gradian']} on {report['platform']}", "", "### Versions", "",
            "| package | installed | supported | status |", "|---|---|---|---|"]
     out += [f"| {v['name']} | {v['installed']} | {v['supported']} | {v['status']} |" for v in report["versions"]]
     out += ["", "### Devices", ""]

@@ -23,7 +23,13 @@ from gradian_lightning.config import STORAGE_DTYPES, module_patterns, require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import select_modules
-from gradian_lightning.gradients.memory import FP32_BYTES, SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes, logit_peak_copies
+from gradian_lightning.gradients.memory import (
+    FP32_BYTES,
+    SUGGESTED_LOSS_CHUNK_TOKENS,
+    fp32_logit_bytes,
+    human_bytes,
+    logit_peak_copies,
+)
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import recomputed_units
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model

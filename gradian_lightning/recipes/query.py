@@ -15,8 +15,8 @@ import lightning as L
 from omegaconf import OmegaConf
 
 from gradian_lightning.config import require
-from gradian_lightning.errors import ConfigError
 from gradian_lightning.data import read_jsonl
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.hub import file_sha256
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
