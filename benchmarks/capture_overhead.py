@@ -45,8 +45,15 @@ from benchmarks.common import (
     write_result,
 )
 
-FILTERS = {"down_proj": "down_proj", "mlp": "gate_proj,up_proj,down_proj", "all_linear": "*.layers.*"}  # every decoder Linear; lm_head left out
-RECOMPUTE_SUFFIXES = {"_keep": "none", "_layers": "layers"}  # variant suffix -> GradientIndexer(recompute=...); none: the default, mlp
+FILTERS = {
+    "down_proj": "down_proj",
+    "mlp": "gate_proj,up_proj,down_proj",
+    "all_linear": "*.layers.*",
+}  # every decoder Linear; lm_head left out
+RECOMPUTE_SUFFIXES = {
+    "_keep": "none",
+    "_layers": "layers",
+}  # variant suffix -> GradientIndexer(recompute=...); none: the default, mlp
 
 
 def _variant(name: str) -> tuple:
@@ -55,6 +62,8 @@ def _variant(name: str) -> tuple:
         if name.endswith(suffix):
             return FILTERS[name[: -len(suffix)]], recompute
     return FILTERS[name], "mlp"
+
+
 SETTINGS = {  # model -> (batches, batch size, sequence length)
     "tiny": (24, 8, 128),
     "smollm2": (12, 2, 128),
@@ -92,20 +101,43 @@ def child(args: argparse.Namespace) -> None:
             starts.append(time.perf_counter())
             model.zero_grad(set_to_none=True)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+            loss = F.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1),
+                batch["labels"][:, 1:].flatten(),
+                ignore_index=-100,
+                reduction="sum",
+            )
             loss.backward()
     else:
         with tempfile.TemporaryDirectory() as tmp:
             patterns, recompute = _variant(args.variant)
             # rows_per_chunk: chunks are flushed (and the row statistics summed) during the run, as in
             # an index of thousands of rows, not once at its close.
-            indexer = GradientIndexer(f"{tmp}/index", patterns.split(","), projection_dim=args.projection_dim, storage_dtype="float16", recompute=recompute, rows_per_chunk=2 * args.batch_size)
+            indexer = GradientIndexer(
+                f"{tmp}/index",
+                patterns.split(","),
+                projection_dim=args.projection_dim,
+                storage_dtype="float16",
+                recompute=recompute,
+                rows_per_chunk=2 * args.batch_size,
+            )
+
             class BatchStarts(L.Callback):
                 def on_validation_batch_start(self, *args: Any) -> None:
                     starts.append(time.perf_counter())
 
-            trainer = L.Trainer(callbacks=[BatchStarts(), indexer], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
-            loader = DataLoader(examples, batch_size=args.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=0))
+            trainer = L.Trainer(
+                callbacks=[BatchStarts(), indexer],
+                accelerator="cpu",
+                devices=1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_model_summary=False,
+                enable_progress_bar=False,
+            )
+            loader = DataLoader(
+                examples, batch_size=args.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=0)
+            )
             trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
             assert indexer.summary and indexer.summary["complete"], indexer.summary
     loop = time.perf_counter() - start
@@ -145,11 +177,20 @@ def profile_child(args: argparse.Namespace) -> None:
                         grads = capture.output_grads(losses.sum())
                 with record_function("projection"):
                     token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
-                    rows = projector.project(capture.inputs, grads, batch["input_ids"].shape[0], token_rows, inputs_projected=True)
+                    rows = projector.project(
+                        capture.inputs, grads, batch["input_ids"].shape[0], token_rows, inputs_projected=True
+                    )
                 capture.clear()
                 with record_function("zarr write"):
                     n = rows.shape[0]
-                    writer.write(batch["index"].numpy(), rows, losses.detach(), torch.full((n,), 1), torch.full((n,), 0), batch["id"])
+                    writer.write(
+                        batch["index"].numpy(),
+                        rows,
+                        losses.detach(),
+                        torch.full((n,), 1),
+                        torch.full((n,), 0),
+                        batch["id"],
+                    )
             with record_function("zarr write"):
                 writer.close()
         total = time.perf_counter() - start
@@ -170,9 +211,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--projection-dim", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: the machine is shared, and oversubscribed OpenMP threads distort ratios)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process (default 1: the machine is shared, and oversubscribed OpenMP threads distort ratios)",
+    )
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
-    parser.add_argument("--variants", default=None, help="comma-separated index variants (default: all): down_proj, mlp, all_linear at the default recompute=mlp, with _keep (none) or _layers appended for the others")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated index variants (default: all): down_proj, mlp, all_linear at the default recompute=mlp, with _keep (none) or _layers appended for the others",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="also profile where indexing time goes")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens, one repeat: seconds")
@@ -185,19 +235,43 @@ def main() -> None:
 
     settings = SMOKE if args.smoke else {m: SETTINGS[m] for m in args.models.split(",")}
     repeats = 1 if args.smoke else args.repeats
-    filters = ["down_proj"] if args.smoke else (args.variants.split(",") if args.variants else ["down_proj", "down_proj_keep", "down_proj_layers", "mlp", "mlp_keep", "all_linear"])
+    filters = (
+        ["down_proj"]
+        if args.smoke
+        else (
+            args.variants.split(",")
+            if args.variants
+            else ["down_proj", "down_proj_keep", "down_proj_layers", "mlp", "mlp_keep", "all_linear"]
+        )
+    )
     variants = ["plain", *filters]
     rows: List[List[Any]] = []
     ratios: List[Dict[str, Any]] = []  # for the figure
     profiles: List[List[Any]] = []
     for model, (batches, batch_size, seq_len) in settings.items():
-        common = ["--model", model, "--batches", str(batches), "--batch-size", str(batch_size), "--seq-len", str(seq_len), "--projection-dim", str(args.projection_dim), "--threads", str(args.threads)]
+        common = [
+            "--model",
+            model,
+            "--batches",
+            str(batches),
+            "--batch-size",
+            str(batch_size),
+            "--seq-len",
+            str(seq_len),
+            "--projection-dim",
+            str(args.projection_dim),
+            "--threads",
+            str(args.threads),
+        ]
         runs: Dict[str, List[Dict[str, Any]]] = {v: [] for v in variants}
         for r in range(repeats):
-            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
                 result = run_child("benchmarks.capture_overhead", [*common, "--variant", variant])
-                print(f"{model} repeat {r} {variant}: step {result['step_s']:.2f} s, loop {result['loop_s']:.2f} s, process {result['process_wall_s']:.2f} s, peak RSS {fmt_bytes(result['peak_rss'])}", flush=True)
+                print(
+                    f"{model} repeat {r} {variant}: step {result['step_s']:.2f} s, loop {result['loop_s']:.2f} s, process {result['process_wall_s']:.2f} s, peak RSS {fmt_bytes(result['peak_rss'])}",
+                    flush=True,
+                )
                 runs[variant].append(result)
         plain = runs["plain"]
         p_proc = statistics.median(x["process_wall_s"] for x in plain)
@@ -205,24 +279,77 @@ def main() -> None:
         p_step = statistics.median(x["step_s"] for x in plain)
         p_rss = statistics.median(x["peak_rss"] for x in plain)
         tokens = plain[0]["tokens"]
-        rows.append([model, "plain fwd+bwd", f"{tokens / p_loop:.0f}", f"{p_proc:.1f}", fmt_bytes(p_rss), "1.00", "1.00", "1.00", "1.00"])
+        rows.append(
+            [
+                model,
+                "plain fwd+bwd",
+                f"{tokens / p_loop:.0f}",
+                f"{p_proc:.1f}",
+                fmt_bytes(p_rss),
+                "1.00",
+                "1.00",
+                "1.00",
+                "1.00",
+            ]
+        )
         for variant in filters:
             i_proc = statistics.median(x["process_wall_s"] for x in runs[variant])
             i_loop = statistics.median(x["loop_s"] for x in runs[variant])
             i_step = statistics.median(x["step_s"] for x in runs[variant])
             i_rss = statistics.median(x["peak_rss"] for x in runs[variant])
-            rows.append([model, f"index {variant}", f"{tokens / i_loop:.0f}", f"{i_proc:.1f}", fmt_bytes(i_rss), f"{i_proc / p_proc:.3f}", f"{i_loop / p_loop:.3f}", f"{i_step / p_step:.3f}", f"{i_rss / p_rss:.3f}"])
-            ratios.append({"label": f"{model}\n{variant}", "process": i_proc / p_proc, "loop": i_loop / p_loop, "step": i_step / p_step, "rss": i_rss / p_rss})
+            rows.append(
+                [
+                    model,
+                    f"index {variant}",
+                    f"{tokens / i_loop:.0f}",
+                    f"{i_proc:.1f}",
+                    fmt_bytes(i_rss),
+                    f"{i_proc / p_proc:.3f}",
+                    f"{i_loop / p_loop:.3f}",
+                    f"{i_step / p_step:.3f}",
+                    f"{i_rss / p_rss:.3f}",
+                ]
+            )
+            ratios.append(
+                {
+                    "label": f"{model}\n{variant}",
+                    "process": i_proc / p_proc,
+                    "loop": i_loop / p_loop,
+                    "step": i_step / p_step,
+                    "rss": i_rss / p_rss,
+                }
+            )
         if args.profile or args.smoke:
             prof = run_child("benchmarks.capture_overhead", [*common, "--variant", "down_proj"], flag="--profile-child")
             total = prof["total_s"]
             parts = prof["seconds"]
             other = total - sum(parts.values())
-            profiles.append([model, *(f"{parts[k]:.2f} ({100 * parts[k] / total:.0f}%)" for k in parts), f"{other:.2f} ({100 * other / total:.0f}%)", f"{total:.2f}"])
+            profiles.append(
+                [
+                    model,
+                    *(f"{parts[k]:.2f} ({100 * parts[k] / total:.0f}%)" for k in parts),
+                    f"{other:.2f} ({100 * other / total:.0f}%)",
+                    f"{total:.2f}",
+                ]
+            )
     machine()
-    header = ["model", "variant", "tokens/s (loop)", "process wall s", "peak RSS", "wall ratio (process)", "time ratio (loop)", "time ratio (steady step)", "peak RSS ratio"]
-    body = f"projection_dim {args.projection_dim}, storage float16, {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; " \
-           + "; ".join(f"{k}: {b} batches × {bs} rows × {s} tokens" for k, (b, bs, s) in settings.items()) + ".\n\n" + table(header, rows)
+    header = [
+        "model",
+        "variant",
+        "tokens/s (loop)",
+        "process wall s",
+        "peak RSS",
+        "wall ratio (process)",
+        "time ratio (loop)",
+        "time ratio (steady step)",
+        "peak RSS ratio",
+    ]
+    body = (
+        f"projection_dim {args.projection_dim}, storage float16, {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; "
+        + "; ".join(f"{k}: {b} batches × {bs} rows × {s} tokens" for k, (b, bs, s) in settings.items())
+        + ".\n\n"
+        + table(header, rows)
+    )
     if profiles:
         body += "\n\nWhere indexing time goes (down_proj, torch.profiler, seconds of CPU time per labelled step):\n\n"
         body += table(["model", "forward", "backward", "projection", "zarr write", "other", "total s"], profiles)
@@ -237,7 +364,12 @@ def plot(ratios: List[Dict[str, Any]], out: str | None) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(ratios) + 2), 3.6))
     width = 0.2
-    bars = (("process", "wall time, whole process"), ("loop", "time, validate vs loop"), ("step", "time per batch, steady"), ("rss", "peak RSS"))
+    bars = (
+        ("process", "wall time, whole process"),
+        ("loop", "time, validate vs loop"),
+        ("step", "time per batch, steady"),
+        ("rss", "peak RSS"),
+    )
     for i, (key, label) in enumerate(bars):
         xs = [j + (i - 1.5) * width for j in range(len(ratios))]
         ax.bar(xs, [r[key] for r in ratios], width, label=label)

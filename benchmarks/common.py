@@ -36,7 +36,13 @@ def largest_fp32_vocab_tensor(vocab: int, parameters: set) -> Any:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             result = func(*args, **(kwargs or {}))
             for t in pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() not in parameters:
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.dtype == torch.float32
+                    and t.dim() >= 1
+                    and t.shape[-1] == vocab
+                    and t.untyped_storage().data_ptr() not in parameters
+                ):
                     self.nbytes = max(self.nbytes, t.numel() * 4)
             return result
 
@@ -55,13 +61,19 @@ def machine() -> Dict[str, str]:
         pass
     ram = "unknown"
     try:
-        kib = int(next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")).split()[1])
+        kib = int(
+            next(
+                line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+            ).split()[1]
+        )
         ram = f"{kib / 2**20:.1f} GiB"
     except (OSError, StopIteration):
         pass
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return {
         "nproc": str(os.cpu_count()),
         "cpu": cpu,
@@ -121,7 +133,9 @@ def run_child(module: str, args: Sequence[str], timeout: float = 3600, flag: str
     """
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", module, flag, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", module, flag, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{module} {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -155,7 +169,9 @@ def write_result(name: str, command: str, body: str, out: Optional[str] = None) 
 
 
 def command_line() -> str:
-    return "PYTHONPATH=. python -m " + " ".join([Path(sys.argv[0]).with_suffix("").relative_to(ROOT).as_posix().replace("/", "."), *sys.argv[1:]])
+    return "PYTHONPATH=. python -m " + " ".join(
+        [Path(sys.argv[0]).with_suffix("").relative_to(ROOT).as_posix().replace("/", "."), *sys.argv[1:]]
+    )
 
 
 def tiny_llama(vocab_size: int = 2048, hidden: int = 128, layers: int = 4, seed: int = 0):
@@ -165,8 +181,16 @@ def tiny_llama(vocab_size: int = 2048, hidden: int = 128, layers: int = 4, seed:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -176,7 +200,9 @@ def smollm2(layers: Optional[int] = None):
     from transformers import AutoModelForCausalLM
 
     if not (SMOLLM2 / "model.safetensors").is_file():
-        raise SystemExit(f"SmolLM2 not found at {SMOLLM2}; build it with ../shared/models/make-smollm2.sh or set GRADIAN_SMOLLM2")
+        raise SystemExit(
+            f"SmolLM2 not found at {SMOLLM2}; build it with ../shared/models/make-smollm2.sh or set GRADIAN_SMOLLM2"
+        )
     kwargs = {} if layers is None else {"num_hidden_layers": layers}
     import torch
 
@@ -192,7 +218,9 @@ def load_model(name: str, layers: Optional[int] = None):
     raise SystemExit(f"unknown model {name!r}; use tiny or smollm2")
 
 
-def synthetic_examples(num: int, seq_len: int, vocab_size: int, supervised_fraction: float = 0.5, seed: int = 0) -> List[Any]:
+def synthetic_examples(
+    num: int, seq_len: int, vocab_size: int, supervised_fraction: float = 0.5, seed: int = 0
+) -> List[Any]:
     """`num` examples of exactly `seq_len` random tokens; the last `supervised_fraction` is supervised."""
     import torch
 
@@ -226,7 +254,9 @@ _MEASURE = (
 )
 
 
-def measure_command(cmd: Sequence[str], env: Optional[Dict[str, str]] = None, cwd: Optional[Path] = None) -> Dict[str, Any]:
+def measure_command(
+    cmd: Sequence[str], env: Optional[Dict[str, str]] = None, cwd: Optional[Path] = None
+) -> Dict[str, Any]:
     """Run `cmd` under a fresh watcher process: wall time (s), peak RSS of its largest process
     (bytes), exit code and output tails. The watcher is new, so no earlier run's peak leaks in."""
     done = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True, env=env, cwd=cwd)

@@ -32,8 +32,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--queries", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads for local = Dask worker processes (one thread each)")
-    parser.add_argument("--dir", default=None, help="where to write the index (default: a temporary directory under /tmp)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads for local = Dask worker processes (one thread each)"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where to write the index (default: a temporary directory under /tmp)"
+    )
     parser.add_argument("--smoke", action="store_true", help="2000 × 256 rows, one repeat: seconds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -54,11 +58,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
         generator = torch.Generator().manual_seed(0)
-        writer = IndexWriter(tmp / "index", args.rows, args.width, "float16", {"fingerprint": "bench", "modules": modules})
+        writer = IndexWriter(
+            tmp / "index", args.rows, args.width, "float16", {"fingerprint": "bench", "modules": modules}
+        )
         for lo in range(0, args.rows, writer.chunk):
             hi = min(lo + writer.chunk, args.rows)
             rows = torch.randn(hi - lo, args.width, generator=generator) * torch.rand(hi - lo, 1, generator=generator)
-            writer.write(range(lo, hi), rows, torch.zeros(hi - lo), torch.ones(hi - lo), torch.zeros(hi - lo), [str(i) for i in range(lo, hi)])
+            writer.write(
+                range(lo, hi),
+                rows,
+                torch.zeros(hi - lo),
+                torch.ones(hi - lo),
+                torch.zeros(hi - lo),
+                [str(i) for i in range(lo, hi)],
+            )
         assert writer.close()
         index = open_index(tmp / "index")
         queries = torch.randn(args.queries, args.width, generator=generator)

@@ -30,7 +30,9 @@ QUICKSTART = ROOT / "gradian_lightning" / "recipes" / "quickstart"
 Factors = Dict[str, Tuple["torch.Tensor", "torch.Tensor"]]  # module -> (x [t, in], g [t, out]) fp32  # noqa: F821
 
 
-def example_factors(model, tokenizer, rows: Sequence[dict], patterns: List[str], batch_size: int = 8) -> Tuple[Dict[str, object], List[Factors]]:
+def example_factors(
+    model, tokenizer, rows: Sequence[dict], patterns: List[str], batch_size: int = 8
+) -> Tuple[Dict[str, object], List[Factors]]:
     """(selected modules, per-example {module: (x [t, in], g [t, out])}) for the loss of each row."""
     import torch
 
@@ -50,7 +52,12 @@ def example_factors(model, tokenizer, rows: Sequence[dict], patterns: List[str],
             grads = capture.output_grads(losses.sum())
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         for j, n in enumerate(lengths):
-            out.append({name: (capture.inputs[name][j, :n].float().clone(), grads[name][j, :n].float().clone()) for name in modules})
+            out.append(
+                {
+                    name: (capture.inputs[name][j, :n].float().clone(), grads[name][j, :n].float().clone())
+                    for name in modules
+                }
+            )
         capture.clear()
     return modules, out
 
@@ -86,7 +93,12 @@ def projected_rows(modules, factors: List[Factors], dim: int, seed: int = 0):
     from gradian_lightning.gradients.projection import KroneckerProjector
 
     projector = KroneckerProjector(modules, dim, seed)
-    return torch.cat([projector.project({k: v[0][None] for k, v in f.items()}, {k: v[1][None] for k, v in f.items()}, 1) for f in factors])
+    return torch.cat(
+        [
+            projector.project({k: v[0][None] for k, v in f.items()}, {k: v[1][None] for k, v in f.items()}, 1)
+            for f in factors
+        ]
+    )
 
 
 def spearman(a, b) -> float:
@@ -132,7 +144,11 @@ def main() -> None:
     if args.smoke:
         from benchmarks.common import tiny_llama
 
-        model, dims, label = tiny_llama(vocab_size=len(tokenizer), hidden=64, layers=2), (4, 16), "tiny random-init Llama (hidden 64, 2 layers)"
+        model, dims, label = (
+            tiny_llama(vocab_size=len(tokenizer), hidden=64, layers=2),
+            (4, 16),
+            "tiny random-init Llama (hidden 64, 2 layers)",
+        )
     else:
         from benchmarks.common import smollm2
 
@@ -163,23 +179,63 @@ def main() -> None:
             by_module = (unit[:nq] @ unit[nq:].T).numpy()
             per_query_module = np.mean([spearman(by_module[i], exact_module_qt[i]) for i in range(nq)])
             if dtype == "float16":
-                curve.append((dim, spearman(scores[dtype].ravel(), exact_qt.ravel()), spearman(by_module.ravel(), exact_module_qt.ravel())))
-            rows.append([dim, dtype, f"{spearman(scores[dtype].ravel(), exact_qt.ravel()):.4f}", f"{per_query:.4f}",
-                         f"{spearman(by_module.ravel(), exact_module_qt.ravel()):.4f}", f"{per_query_module:.4f}"])
+                curve.append(
+                    (
+                        dim,
+                        spearman(scores[dtype].ravel(), exact_qt.ravel()),
+                        spearman(by_module.ravel(), exact_module_qt.ravel()),
+                    )
+                )
+            rows.append(
+                [
+                    dim,
+                    dtype,
+                    f"{spearman(scores[dtype].ravel(), exact_qt.ravel()):.4f}",
+                    f"{per_query:.4f}",
+                    f"{spearman(by_module.ravel(), exact_module_qt.ravel()):.4f}",
+                    f"{per_query_module:.4f}",
+                ]
+            )
         for dtype in ("float16", "bfloat16"):
             k = min(10, exact_qt.shape[1])
             top = lambda s, k=k: [set(np.argsort(-s[i])[:k]) for i in range(nq)]  # noqa: E731
             overlap = np.mean([len(a & b) / k for a, b in zip(top(scores[dtype]), top(scores["float32"]))])
             diff = np.abs(scores[dtype] - scores["float32"]).max()
-            fp16_rows.append([dim, dtype, f"{spearman(scores[dtype].ravel(), scores['float32'].ravel()):.6f}", f"{overlap:.3f}", f"{diff:.2e}"])
+            fp16_rows.append(
+                [
+                    dim,
+                    dtype,
+                    f"{spearman(scores[dtype].ravel(), scores['float32'].ravel()):.6f}",
+                    f"{overlap:.3f}",
+                    f"{diff:.2e}",
+                ]
+            )
     tokens = sum(f[names[0]][0].shape[0] for f in factors)
     body = (
         f"{label}, down_proj of all {len(names)} layers, quickstart data: {nq} queries × {len(train)} train rows = {nq * len(train)} pairs, "
         f"{tokens} tokens; projection seed 0; cosine scores: whole-row (query.normalize=row) and the mean of per-module cosines (query.normalize=module, the default).\n\n"
-        + table(["projection_dim", "storage_dtype", "Spearman ρ vs exact, row cosine (all pairs)", "mean per-query ρ, row cosine",
-                 "Spearman ρ vs exact, per-module cosine (default score; all pairs)", "mean per-query ρ, per-module cosine"], rows)
+        + table(
+            [
+                "projection_dim",
+                "storage_dtype",
+                "Spearman ρ vs exact, row cosine (all pairs)",
+                "mean per-query ρ, row cosine",
+                "Spearman ρ vs exact, per-module cosine (default score; all pairs)",
+                "mean per-query ρ, per-module cosine",
+            ],
+            rows,
+        )
         + "\n\nStorage precision against float32 storage of the same projection:\n\n"
-        + table(["projection_dim", "storage_dtype", "ρ vs float32 storage", "top-10 overlap with float32", "max abs Δ cosine"], fp16_rows)
+        + table(
+            [
+                "projection_dim",
+                "storage_dtype",
+                "ρ vs float32 storage",
+                "top-10 overlap with float32",
+                "max abs Δ cosine",
+            ],
+            fp16_rows,
+        )
     )
     write_result("fidelity", command_line(), body, args.out)
     plot(curve, label, args.out)

@@ -22,7 +22,11 @@ from pathlib import Path
 from benchmarks.common import SMOLLM2, bytes_on_disk, command_line, table, write_result
 from benchmarks.fidelity import DIMS, DTYPES, QUICKSTART, example_factors, projected_rows
 
-FILTERS = {"down_proj": ["down_proj"], "all MLP": ["gate_proj", "up_proj", "down_proj"], "all Linear": ["*.layers.*"]}  # every decoder Linear; lm_head (tied to the embedding) left out
+FILTERS = {
+    "down_proj": ["down_proj"],
+    "all MLP": ["gate_proj", "up_proj", "down_proj"],
+    "all Linear": ["*.layers.*"],
+}  # every decoder Linear; lm_head (tied to the embedding) left out
 
 
 def main() -> None:
@@ -44,7 +48,12 @@ def main() -> None:
     if args.smoke:
         from benchmarks.common import tiny_llama
 
-        model, dims, n, label = tiny_llama(vocab_size=len(tokenizer), hidden=64, layers=2), (4, 16), 4, "tiny random-init Llama (hidden 64, 2 layers)"
+        model, dims, n, label = (
+            tiny_llama(vocab_size=len(tokenizer), hidden=64, layers=2),
+            (4, 16),
+            4,
+            "tiny random-init Llama (hidden 64, 2 layers)",
+        )
     else:
         from benchmarks.common import smollm2
 
@@ -62,16 +71,45 @@ def main() -> None:
                     path = Path(tmp) / f"{filter_name}-{dim}-{dtype}".replace(" ", "_")
                     writer = IndexWriter(path, n, projected.shape[1], dtype, {"fingerprint": "bench"})
                     k = projected.shape[0]
-                    writer.write(range(k), projected, torch.zeros(k), torch.ones(k), torch.zeros(k), [f"r{i}" for i in range(k)])
+                    writer.write(
+                        range(k), projected, torch.zeros(k), torch.ones(k), torch.zeros(k), [f"r{i}" for i in range(k)]
+                    )
                     assert writer.close()
                     codec = codec or writer.group["grads"].compressors
-                    raw = projected.shape[1] * np.dtype({"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]).itemsize
+                    raw = (
+                        projected.shape[1]
+                        * np.dtype(
+                            {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]
+                        ).itemsize
+                    )
                     grads = bytes_on_disk(path / "grads") / n
                     total = bytes_on_disk(path) / n
-                    rows.append([filter_name, len(modules), dim, dtype, projected.shape[1], raw, f"{grads:.0f}", f"{total:.0f}", f"{raw / grads:.3f}"])
-    body = (
-        f"{label}, {n} quickstart train rows (real gradients), zarr default codec for grads: {codec}.\n\n"
-        + table(["module_filter", "modules", "projection_dim", "storage_dtype", "row width", "raw bytes/row", "grads bytes/row on disk", "index bytes/row on disk", "compression ratio"], rows)
+                    rows.append(
+                        [
+                            filter_name,
+                            len(modules),
+                            dim,
+                            dtype,
+                            projected.shape[1],
+                            raw,
+                            f"{grads:.0f}",
+                            f"{total:.0f}",
+                            f"{raw / grads:.3f}",
+                        ]
+                    )
+    body = f"{label}, {n} quickstart train rows (real gradients), zarr default codec for grads: {codec}.\n\n" + table(
+        [
+            "module_filter",
+            "modules",
+            "projection_dim",
+            "storage_dtype",
+            "row width",
+            "raw bytes/row",
+            "grads bytes/row on disk",
+            "index bytes/row on disk",
+            "compression ratio",
+        ],
+        rows,
     )
     write_result("index_size", command_line(), body, args.out)
 

@@ -58,7 +58,9 @@ def child(args: argparse.Namespace) -> None:
 
     def run() -> None:
         if args.variant == "trunk":
-            out = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state.sum()
+            out = model.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            ).last_hidden_state.sum()
         else:
             out = supervised_token_loss(model, batch, chunk_tokens=chunk).sum()
         torch.autograd.grad(out, [target])
@@ -71,7 +73,14 @@ def child(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
     with largest_fp32_vocab_tensor(vocab, parameters) as probe:
         run()
-    emit({"peak": peak, "seconds": statistics.median(times), "vocab_tensor": probe.nbytes, "supervised": int(supervised_targets(batch["labels"]).sum())})
+    emit(
+        {
+            "peak": peak,
+            "seconds": statistics.median(times),
+            "vocab_tensor": probe.nbytes,
+            "supervised": int(supervised_targets(batch["labels"]).sum()),
+        }
+    )
 
 
 def main() -> None:
@@ -98,7 +107,10 @@ def main() -> None:
 
     def point(variant: str, b: int) -> Dict[str, Any]:
         result = run_child("benchmarks.loss_chunking", ["--variant", variant, "--batch", str(b), *common])
-        print(f"{variant} B={b}: peak +{fmt_bytes(result['peak'])}, {result['seconds']:.3f} s, largest fp32 vocab tensor {fmt_bytes(result['vocab_tensor'])}", flush=True)
+        print(
+            f"{variant} B={b}: peak +{fmt_bytes(result['peak'])}, {result['seconds']:.3f} s, largest fp32 vocab tensor {fmt_bytes(result['vocab_tensor'])}",
+            flush=True,
+        )
         return result
 
     rows: List[List[Any]] = []
@@ -112,20 +124,38 @@ def main() -> None:
             part = result["peak"] - trunk["peak"]
             formula = copies * fp32_logit_bytes(n, vocab, chunk)
             loss_s, gathered_loss_s = result["seconds"] - trunk["seconds"], gathered["seconds"] - trunk["seconds"]
-            rows.append([
-                b, n, "off" if chunk is None else chunk, fmt_bytes(part), fmt_bytes(formula), f"{part / formula:.2f}",
-                f"{fmt_bytes(result['vocab_tensor'])} / {fmt_bytes(fp32_logit_bytes(n, vocab, chunk))}",
-                f"{result['seconds']:.3f}", f"{result['seconds'] / gathered['seconds']:.2f}", f"{loss_s / gathered_loss_s:.2f}" if gathered_loss_s > 0 and loss_s > 0 else "n/a (below noise)",
-            ])
+            rows.append(
+                [
+                    b,
+                    n,
+                    "off" if chunk is None else chunk,
+                    fmt_bytes(part),
+                    fmt_bytes(formula),
+                    f"{part / formula:.2f}",
+                    f"{fmt_bytes(result['vocab_tensor'])} / {fmt_bytes(fp32_logit_bytes(n, vocab, chunk))}",
+                    f"{result['seconds']:.3f}",
+                    f"{result['seconds'] / gathered['seconds']:.2f}",
+                    f"{loss_s / gathered_loss_s:.2f}" if gathered_loss_s > 0 and loss_s > 0 else "n/a (below noise)",
+                ]
+            )
             points.append({"chunk": chunk, "supervised": n, "part": part, "formula": formula})
     header = [
-        "batch", "supervised tokens", "loss_chunk_tokens", "loss part (measured)", f"formula {copies:g} × fp32 logits", "measured / formula",
-        "largest fp32 vocab tensor: measured / min(sup, chunk)×V×4", "step s", "step time / unchunked", "loss-part time / unchunked",
+        "batch",
+        "supervised tokens",
+        "loss_chunk_tokens",
+        "loss part (measured)",
+        f"formula {copies:g} × fp32 logits",
+        "measured / formula",
+        "largest fp32 vocab tensor: measured / min(sup, chunk)×V×4",
+        "step s",
+        "step time / unchunked",
+        "loss-part time / unchunked",
     ]
     body = (
         f"Tiny random-init Llama (hidden {args.hidden}, 2 layers, fp32), vocab {vocab:,}; batches of {seq} tokens, {args.fraction:.0%} supervised; "
         "peaks are RSS above the process's RSS before the step, fresh process per point; loss part = peak − trunk peak; "
-        "step = forward + per-example loss + backward to the final norm, median of 3 after a warm-up, 1 torch thread.\n\n" + table(header, rows)
+        "step = forward + per-example loss + backward to the final norm, median of 3 after a warm-up, 1 torch thread.\n\n"
+        + table(header, rows)
     )
     write_result("loss_chunking", command_line(), body, args.out)
     plot(points, vocab, args.out)
@@ -142,7 +172,14 @@ def plot(points: List[Dict[str, Any]], vocab: int, out: str | None) -> None:
         xs = [p["supervised"] for p in mine]
         label = "loss_chunk_tokens off" if chunk is None else f"loss_chunk_tokens={chunk}"
         line = ax.plot(xs, [p["formula"] / 2**20 for p in mine], linestyle="--", linewidth=1, color=f"C{i}")[0]
-        ax.plot(xs, [p["part"] / 2**20 for p in mine], marker="o", linestyle="none", color=line.get_color(), label=f"{label}: measured (o), formula (--)")
+        ax.plot(
+            xs,
+            [p["part"] / 2**20 for p in mine],
+            marker="o",
+            linestyle="none",
+            color=line.get_color(),
+            label=f"{label}: measured (o), formula (--)",
+        )
     ax.set_xlabel("supervised tokens in the batch")
     ax.set_ylabel("loss part of peak RSS, MiB")
     ax.set_title(f"Loss peak against supervised tokens, vocab {vocab:,}")

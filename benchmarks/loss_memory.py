@@ -62,7 +62,12 @@ def child(args: argparse.Namespace) -> None:
             out = model.model(**inputs, use_cache=False).last_hidden_state.sum()
         elif args.variant == "naive":
             logits = model(**inputs, use_cache=False).logits  # [B, T, vocab]
-            token = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="none")
+            token = F.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1),
+                batch["labels"][:, 1:].flatten(),
+                ignore_index=-100,
+                reduction="none",
+            )
             out = token.view(args.batch, -1).sum(dim=1).sum()
         else:
             out = supervised_token_loss(model, batch).sum()
@@ -71,7 +76,14 @@ def child(args: argparse.Namespace) -> None:
     peak = peak_rss_rise(run)
     with largest_fp32_vocab_tensor(vocab, parameters) as probe:
         run()
-    emit({"peak": peak, "vocab_tensor": probe.nbytes, "supervised": int(supervised_targets(batch["labels"]).sum()), "vocab": vocab})
+    emit(
+        {
+            "peak": peak,
+            "vocab_tensor": probe.nbytes,
+            "supervised": int(supervised_targets(batch["labels"]).sum()),
+            "vocab": vocab,
+        }
+    )
 
 
 def main() -> None:
@@ -93,8 +105,27 @@ def main() -> None:
     model = "tiny" if args.smoke else args.model
 
     def point(variant: str, b: int, s: int, f: float) -> Dict[str, Any]:
-        result = run_child("benchmarks.loss_memory", ["--variant", variant, "--batch", str(b), "--seq", str(s), "--fraction", str(f), "--model", model, "--layers", str(args.layers)])
-        print(f"{variant} B={b} T={s} sup={f:.0%}: peak +{fmt_bytes(result['peak'])}, largest fp32 vocab tensor {fmt_bytes(result['vocab_tensor'])}", flush=True)
+        result = run_child(
+            "benchmarks.loss_memory",
+            [
+                "--variant",
+                variant,
+                "--batch",
+                str(b),
+                "--seq",
+                str(s),
+                "--fraction",
+                str(f),
+                "--model",
+                model,
+                "--layers",
+                str(args.layers),
+            ],
+        )
+        print(
+            f"{variant} B={b} T={s} sup={f:.0%}: peak +{fmt_bytes(result['peak'])}, largest fp32 vocab tensor {fmt_bytes(result['vocab_tensor'])}",
+            flush=True,
+        )
         return result
 
     rows: List[List[Any]] = []
@@ -109,16 +140,37 @@ def main() -> None:
                 gathered = point("gathered", b, s, f)
                 part = gathered["peak"] - trunk["peak"]
                 formula = gathered["supervised"] * vocab * 4  # batch × supervised-per-row × vocab × 4
-                rows.append([
-                    b, s, f"{f:.0%}", gathered["supervised"], fmt_bytes(trunk["peak"]), fmt_bytes(naive["peak"]), fmt_bytes(gathered["peak"]),
-                    fmt_bytes(naive_part), fmt_bytes(part), f"{part / naive_part:.2f}",
-                    f"{fmt_bytes(gathered['vocab_tensor'])} / {fmt_bytes(formula)}", f"{fmt_bytes(naive['vocab_tensor'])} / {fmt_bytes(b * s * vocab * 4)}",
-                ])
+                rows.append(
+                    [
+                        b,
+                        s,
+                        f"{f:.0%}",
+                        gathered["supervised"],
+                        fmt_bytes(trunk["peak"]),
+                        fmt_bytes(naive["peak"]),
+                        fmt_bytes(gathered["peak"]),
+                        fmt_bytes(naive_part),
+                        fmt_bytes(part),
+                        f"{part / naive_part:.2f}",
+                        f"{fmt_bytes(gathered['vocab_tensor'])} / {fmt_bytes(formula)}",
+                        f"{fmt_bytes(naive['vocab_tensor'])} / {fmt_bytes(b * s * vocab * 4)}",
+                    ]
+                )
                 if abs(f - 0.25) < 1e-9:
                     headline.append(f"{part / naive_part:.2f}")
     header = [
-        "batch", "seq", "supervised", "supervised tokens", "trunk peak", "naive peak", "gathered peak", "naive loss part", "gathered loss part",
-        "loss part ratio", "gathered fp32 vocab tensor: measured / B×sup×V×4", "naive fp32 logits: measured / B×T×V×4",
+        "batch",
+        "seq",
+        "supervised",
+        "supervised tokens",
+        "trunk peak",
+        "naive peak",
+        "gathered peak",
+        "naive loss part",
+        "gathered loss part",
+        "loss part ratio",
+        "gathered fp32 vocab tensor: measured / B×sup×V×4",
+        "naive fp32 logits: measured / B×T×V×4",
     ]
     body = (
         f"Model: {'tiny Llama' if args.smoke else f'SmolLM2-135M-Instruct truncated to {args.layers} decoder layer(s)'} (fp32), vocab {vocab}; "

@@ -27,11 +27,13 @@ from pathlib import Path
 CELLS = [(b, 16, s) for s in (64, 256, 496) for b in (1, 2, 4, 8)] + [(4, 256, 256), (4, 496, 16)]
 MiB = 2**20
 
+
 def _rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
 
 def measure(model_dir: str, batch_size: int, prompt: int, supervised: int) -> dict:
     """One cell, in this process: bytes of peak rise and the predicted fp32 logit bytes."""
@@ -74,6 +76,7 @@ def measure(model_dir: str, batch_size: int, prompt: int, supervised: int) -> di
         "measured_peak_rise_bytes": (peak - before) * 1024,
     }
 
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=str(Path.home() / ".cache/gradian/smollm2-135m-instruct"))
@@ -87,13 +90,26 @@ def main() -> None:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        env = {
+            **os.environ,
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        }
         results = []
         for b, p, s in CELLS:
-            done = subprocess.run([sys.executable, __file__, "--model", args.model, "--cell", f"{b},{p},{s}"], env=env, capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--model", args.model, "--cell", f"{b},{p},{s}"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
             r = results[-1]
-            print(f"b={b} prompt={p} s={s}: predicted {r['predicted_fp32_logits_bytes'] / MiB:.0f} MiB, measured {r['measured_peak_rise_bytes'] / MiB:.0f} MiB", flush=True)
+            print(
+                f"b={b} prompt={p} s={s}: predicted {r['predicted_fp32_logits_bytes'] / MiB:.0f} MiB, measured {r['measured_peak_rise_bytes'] / MiB:.0f} MiB",
+                flush=True,
+            )
         Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     from gradian_lightning.gradients.memory import logit_peak_copies
 
@@ -117,6 +133,7 @@ def main() -> None:
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
+
 def plan_activations(model_dir: str) -> int:
     """`gradian plan`'s activation bytes per token for this model in fp32."""
     import torch
@@ -125,6 +142,7 @@ def plan_activations(model_dir: str) -> int:
     from gradian_lightning.recipes.plan import activation_bytes_per_token
 
     return activation_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
+
 
 if __name__ == "__main__":
     main()

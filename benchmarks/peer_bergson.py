@@ -55,9 +55,14 @@ def ensure_venv(venv: Path) -> str:
 
         base = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([base, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}", "bergson"], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}", "bergson"],
+            check=True,
+        )
         subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"], check=True)
-    out = subprocess.run([str(python), "-m", "pip", "show", "bergson"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(python), "-m", "pip", "show", "bergson"], capture_output=True, text=True, check=True
+    ).stdout
     return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Version"))
 
 
@@ -77,18 +82,51 @@ def make_model_dir(where: Path, hidden: int, layers: int) -> Path:
 def gradian_command(model_dir: Path, data: Path, out: Path, config: Path) -> List[str]:
     config.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  enable_progress_bar: false\n")
     return [
-        sys.executable, "-m", "gradian_lightning.cli", "index", str(config), f"model.name_or_path={model_dir}", f"data.train={data}",
-        "grads.module_filter=down_proj", "grads.projection_dim=16", "grads.storage_dtype=float32", f"grads.batch_size={BATCH}",
-        f"index.path={out}", "index.overwrite=true",
+        sys.executable,
+        "-m",
+        "gradian_lightning.cli",
+        "index",
+        str(config),
+        f"model.name_or_path={model_dir}",
+        f"data.train={data}",
+        "grads.module_filter=down_proj",
+        "grads.projection_dim=16",
+        "grads.storage_dtype=float32",
+        f"grads.batch_size={BATCH}",
+        f"index.path={out}",
+        "index.overwrite=true",
     ]
 
 
 def bergson_command(venv: Path, model_dir: Path, data: Path, out: Path) -> List[str]:
     return [
-        str(venv / "bin" / "bergson"), "build", str(out), "--model", str(model_dir), "--dataset", str(data),
-        "--prompt_column", "prompt", "--completion_column", "completion", "--projection_dim", "16",
-        "--filter_modules", BERGSON_EXCLUDE, "--precision", "fp32", "--loss_reduction", "sum",
-        "--max_batch_size", str(BATCH), "--token_batch_size", "1024", "--nproc_per_node", "1", "--overwrite", "true",
+        str(venv / "bin" / "bergson"),
+        "build",
+        str(out),
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        "--prompt_column",
+        "prompt",
+        "--completion_column",
+        "completion",
+        "--projection_dim",
+        "16",
+        "--filter_modules",
+        BERGSON_EXCLUDE,
+        "--precision",
+        "fp32",
+        "--loss_reduction",
+        "sum",
+        "--max_batch_size",
+        str(BATCH),
+        "--token_batch_size",
+        "1024",
+        "--nproc_per_node",
+        "1",
+        "--overwrite",
+        "true",
     ]
 
 
@@ -97,12 +135,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both tools (default 1: the machine is shared)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="OMP_NUM_THREADS for both tools (default 1: the machine is shared)"
+    )
     parser.add_argument("--venv", default=str(VENV))
-    parser.add_argument("--smoke", action="store_true", help="gradian side only, 2 layers, one run: seconds (no venv is made)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="gradian side only, 2 layers, one run: seconds (no venv is made)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": str(args.threads),
+    }
     tools = ["gradian"] if args.smoke else ["gradian", "bergson"]
     version = None if args.smoke else ensure_venv(Path(args.venv))
     runs: Dict[str, List[Dict[str, Any]]] = {t: [] for t in tools}
@@ -110,14 +159,21 @@ def main() -> None:
         tmp = Path(tmp)
         model_dir = make_model_dir(tmp / "model", args.hidden, 2 if args.smoke else args.layers)
         for r in range(1 if args.smoke else args.repeats):
-            for tool in (tools if r % 2 == 0 else tools[::-1]):
+            for tool in tools if r % 2 == 0 else tools[::-1]:
                 out = tmp / f"{tool}-{r}"
-                cmd = gradian_command(model_dir, DATA, out, tmp / "gradian.yaml") if tool == "gradian" else bergson_command(Path(args.venv), model_dir, DATA, out)
+                cmd = (
+                    gradian_command(model_dir, DATA, out, tmp / "gradian.yaml")
+                    if tool == "gradian"
+                    else bergson_command(Path(args.venv), model_dir, DATA, out)
+                )
                 result = measure_command(cmd, env=env, cwd=tmp)
                 if result["rc"] != 0:
                     raise SystemExit(f"{tool} failed (exit {result['rc']}):\n{result['stderr']}")
                 result["bytes"] = bytes_on_disk(out)
-                print(f"{tool} run {r}: {result['wall_s']:.1f} s, peak RSS {fmt_bytes(result['peak_rss'])}, {fmt_bytes(result['bytes'])} on disk", flush=True)
+                print(
+                    f"{tool} run {r}: {result['wall_s']:.1f} s, peak RSS {fmt_bytes(result['peak_rss'])}, {fmt_bytes(result['bytes'])} on disk",
+                    flush=True,
+                )
                 runs[tool].append(result)
                 shutil.rmtree(out, ignore_errors=True)
     med = {t: {k: statistics.median(x[k] for x in runs[t]) for k in ("wall_s", "peak_rss", "bytes")} for t in tools}
@@ -133,7 +189,14 @@ def main() -> None:
         g, b = med["gradian"], med["bergson"]
         body += "\n\n" + table(
             ["gradian / bergson", "wall time", "peak RSS", "bytes on disk"],
-            [["ratio", f"{g['wall_s'] / b['wall_s']:.2f}", f"{g['peak_rss'] / b['peak_rss']:.2f}", f"{g['bytes'] / b['bytes']:.2f}"]],
+            [
+                [
+                    "ratio",
+                    f"{g['wall_s'] / b['wall_s']:.2f}",
+                    f"{g['peak_rss'] / b['peak_rss']:.2f}",
+                    f"{g['bytes'] / b['bytes']:.2f}",
+                ]
+            ],
         )
     write_result("peer_bergson", command_line(), body, args.out)
 

@@ -41,8 +41,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--queries", default="1,8,64", help="comma-separated query counts")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared; NumPy's read is one thread too)")
-    parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary directory under /tmp)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the machine is shared; NumPy's read is one thread too)",
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where to write the files (default: a temporary directory under /tmp)"
+    )
     parser.add_argument("--smoke", action="store_true", help="2000 × 256 rows, one repeat: seconds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -59,18 +66,29 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     modules = 16
-    blocks = [{"name": f"m{i}", "offset": i * (args.width // modules), "size": args.width // modules} for i in range(modules)]
+    blocks = [
+        {"name": f"m{i}", "offset": i * (args.width // modules), "size": args.width // modules} for i in range(modules)
+    ]
     raw_bytes = args.rows * args.width * 2
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
         generator = torch.Generator().manual_seed(0)
-        writer = IndexWriter(tmp / "index", args.rows, args.width, "float16", {"fingerprint": "bench", "modules": blocks})
+        writer = IndexWriter(
+            tmp / "index", args.rows, args.width, "float16", {"fingerprint": "bench", "modules": blocks}
+        )
         plain = np.lib.format.open_memmap(tmp / "rows.npy", mode="w+", dtype=np.float16, shape=(args.rows, args.width))
         step = writer.chunk
         for lo in range(0, args.rows, step):
             hi = min(lo + step, args.rows)
             rows = torch.randn(hi - lo, args.width, generator=generator)
-            writer.write(range(lo, hi), rows, torch.zeros(hi - lo), torch.ones(hi - lo), torch.zeros(hi - lo), [str(i) for i in range(lo, hi)])
+            writer.write(
+                range(lo, hi),
+                rows,
+                torch.zeros(hi - lo),
+                torch.ones(hi - lo),
+                torch.zeros(hi - lo),
+                [str(i) for i in range(lo, hi)],
+            )
             plain[lo:hi] = rows.half().numpy()
         assert writer.close()
         plain.flush()
@@ -126,17 +144,39 @@ def main() -> None:
     points = []
     for q in counts:
         slower = min(gbps["read + decode"], gbps[f"gemm Q={q}"])
-        rows_out.append([
-            q, f"{gbps['read + decode']:.2f}", f"{gbps[f'gemm Q={q}']:.2f}", f"{gbps[f'top-k Q={q}']:.2f}", f"{gbps[f'top-k Q={q}'] / slower:.2f}",
-            "met" if gbps[f"top-k Q={q}"] >= 0.7 * slower else "not met", f"{gbps[f'default Q={q}']:.2f}", f"{gbps[f'default Q={q}'] / slower:.2f}",
-        ])
-        points.append({"q": q, "read": gbps["read + decode"], "gemm": gbps[f"gemm Q={q}"], "topk": gbps[f"top-k Q={q}"]})
+        rows_out.append(
+            [
+                q,
+                f"{gbps['read + decode']:.2f}",
+                f"{gbps[f'gemm Q={q}']:.2f}",
+                f"{gbps[f'top-k Q={q}']:.2f}",
+                f"{gbps[f'top-k Q={q}'] / slower:.2f}",
+                "met" if gbps[f"top-k Q={q}"] >= 0.7 * slower else "not met",
+                f"{gbps[f'default Q={q}']:.2f}",
+                f"{gbps[f'default Q={q}'] / slower:.2f}",
+            ]
+        )
+        points.append(
+            {"q": q, "read": gbps["read + decode"], "gemm": gbps[f"gemm Q={q}"], "topk": gbps[f"top-k Q={q}"]}
+        )
     body = (
         f"{args.rows} × {args.width} float16 rows in {modules} equal modules = {fmt_bytes(raw_bytes)} raw, {fmt_bytes(on_disk)} on disk as zarr grads "
         f"(chunks of {chunk_rows} rows); {args.threads} torch thread(s); cosine per module, top 10; "
         f"warm page cache; medians of {args.repeats} interleaved runs. Context: a NumPy read of the same bytes into one reused buffer runs at "
         f"{gbps['numpy read']:.2f} GB/s (a memory copy); `IndexReader.chunks()`, decoding into fresh tensors, at {gbps['chunks()']:.2f} GB/s.\n\n"
-        + table(["Q", "floor (i) read + decode GB/s", "floor (ii) fp32 GEMM GB/s", "streaming top-k GB/s", "top-k / slower floor", "≥ 0.70 of the slower floor", "default scoring (auto = fisher, damping 1.0) GB/s", "default / slower floor"], rows_out)
+        + table(
+            [
+                "Q",
+                "floor (i) read + decode GB/s",
+                "floor (ii) fp32 GEMM GB/s",
+                "streaming top-k GB/s",
+                "top-k / slower floor",
+                "≥ 0.70 of the slower floor",
+                "default scoring (auto = fisher, damping 1.0) GB/s",
+                "default / slower floor",
+            ],
+            rows_out,
+        )
     )
     write_result("query_throughput", command_line(), body, args.out)
     plot(points, args.out)
@@ -149,10 +189,19 @@ def plot(points, out) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.25
-    for i, (key, label) in enumerate((("read", "floor (i): read + decode"), ("gemm", "floor (ii): one fp32 GEMM"), ("topk", "streaming top-k"))):
+    for i, (key, label) in enumerate(
+        (("read", "floor (i): read + decode"), ("gemm", "floor (ii): one fp32 GEMM"), ("topk", "streaming top-k"))
+    ):
         ax.bar([j + (i - 1) * width for j in range(len(points))], [p[key] for p in points], width, label=label)
     for j, p in enumerate(points):
-        ax.plot([j - 1.5 * width, j + 1.5 * width], [0.7 * min(p["read"], p["gemm"])] * 2, color="black", linestyle="--", linewidth=0.9, label="target: 0.7 × slower floor" if j == 0 else None)
+        ax.plot(
+            [j - 1.5 * width, j + 1.5 * width],
+            [0.7 * min(p["read"], p["gemm"])] * 2,
+            color="black",
+            linestyle="--",
+            linewidth=0.9,
+            label="target: 0.7 × slower floor" if j == 0 else None,
+        )
     ax.set_xticks(range(len(points)), [f"Q = {p['q']}" for p in points])
     ax.set_ylabel("GB/s of stored float16 rows")
     ax.set_title("Query throughput against its two floors")

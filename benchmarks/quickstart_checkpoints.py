@@ -28,9 +28,24 @@ from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector, module_seed
 from gradian_lightning.recipes.quickstart import QUERIES, TRAIN, tiny_llama, word_tokenizer
 
-VARIANTS = {"threads 1": dict(threads=1), "threads 2": dict(threads=2), "float64": dict(dtype=torch.float64), "seed 1": dict(seed=1), "seed 2": dict(seed=2)}
-FILTERS = {"down+o (old quickstart)": ["down_proj", "o_proj"], "mlp (quickstart)": ["down_proj", "up_proj", "gate_proj"]}
-CHECKPOINTS = {"last": [12], "6,12": [6, 12], "4,8,12": [4, 8, 12], "3,6,9,12": [3, 6, 9, 12], "every epoch": list(range(1, 13))}
+VARIANTS = {
+    "threads 1": dict(threads=1),
+    "threads 2": dict(threads=2),
+    "float64": dict(dtype=torch.float64),
+    "seed 1": dict(seed=1),
+    "seed 2": dict(seed=2),
+}
+FILTERS = {
+    "down+o (old quickstart)": ["down_proj", "o_proj"],
+    "mlp (quickstart)": ["down_proj", "up_proj", "gate_proj"],
+}
+CHECKPOINTS = {
+    "last": [12],
+    "6,12": [6, 12],
+    "4,8,12": [4, 8, 12],
+    "3,6,9,12": [3, 6, 9, 12],
+    "every epoch": list(range(1, 13)),
+}
 PRECONDITIONS = [("none", 0.0), ("diag", 0.1), ("fisher", 0.1)]
 
 
@@ -43,16 +58,24 @@ def train_variant(threads=2, dtype=torch.float32, seed=0, epochs=12, lr=3e-3):
     model = tiny_llama(len(tok), seed=seed).to(dtype)
     col = partial(collate, pad_token_id=tok.pad_token_id)
     data = JsonlDataset(train_rows, tok, 64, source="train")
-    asked = JsonlDataset([{k: q[k] for k in ("id", "prompt", "completion")} for q in query_rows], tok, 64, source="queries")
-    shuffled = DataLoader(data, batch_size=8, shuffle=True, collate_fn=col, generator=torch.Generator().manual_seed(seed))
+    asked = JsonlDataset(
+        [{k: q[k] for k in ("id", "prompt", "completion")} for q in query_rows], tok, 64, source="queries"
+    )
+    shuffled = DataLoader(
+        data, batch_size=8, shuffle=True, collate_fn=col, generator=torch.Generator().manual_seed(seed)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     modules = select_modules(model, ["*"])
     projector, capture = KroneckerProjector(modules, None, 0), LinearCapture(modules)
 
     def rows(dataset):
         model.eval()
-        out = [projected_gradients(model, {k: b[k] for k in ("input_ids", "attention_mask", "labels")}, capture, projector)[0]
-               for b in DataLoader(dataset, batch_size=8, collate_fn=col)]
+        out = [
+            projected_gradients(
+                model, {k: b[k] for k in ("input_ids", "attention_mask", "labels")}, capture, projector
+            )[0]
+            for b in DataLoader(dataset, batch_size=8, collate_fn=col)
+        ]
         model.train()
         return torch.cat(out).double()
 
@@ -116,10 +139,15 @@ def main() -> None:
     def part(variant, epoch, filt, how, damping):
         found, blocks, _ = runs[variant]
         train, queries = found[epoch]
-        t, q = precondition(project(train, blocks, FILTERS[filt]), project(queries, blocks, FILTERS[filt]), how, damping)
+        t, q = precondition(
+            project(train, blocks, FILTERS[filt]), project(queries, blocks, FILTERS[filt]), how, damping
+        )
         return modcos(t, q)
 
-    lines = ["| module_filter (k=16) | precondition | checkpoints | recall@10 min | recall@10 per variant | MRR min | MRR per variant |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| module_filter (k=16) | precondition | checkpoints | recall@10 min | recall@10 per variant | MRR min | MRR per variant |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for filt in FILTERS:
         for how, damping in PRECONDITIONS:
             for ck_name, epochs in CHECKPOINTS.items():
@@ -127,7 +155,9 @@ def main() -> None:
                 for variant in VARIANTS:
                     a, b = metrics(sum(part(variant, e, filt, how, damping) for e in epochs), runs[variant][2])
                     r10.append(a), mrr.append(b)
-                lines.append(f"| {filt} | {how} | {ck_name} | {min(r10):.3f} | {' '.join(f'{x:.2f}' for x in r10)} | {min(mrr):.3f} | {' '.join(f'{x:.2f}' for x in mrr)} |")
+                lines.append(
+                    f"| {filt} | {how} | {ck_name} | {min(r10):.3f} | {' '.join(f'{x:.2f}' for x in r10)} | {min(mrr):.3f} | {' '.join(f'{x:.2f}' for x in mrr)} |"
+                )
                 print(lines[-1], flush=True)
     header = f"Variants, in column order: {', '.join(VARIANTS)}. Command: `PYTHONPATH=. python benchmarks/quickstart_checkpoints.py`. torch {torch.__version__}, shared 2-core CPU.\n\n"
     (Path(__file__).parent / "results" / "quickstart_checkpoints.md").write_text(header + "\n".join(lines) + "\n")

@@ -29,7 +29,18 @@ def main() -> None:
         start = time.time()
         with tempfile.TemporaryDirectory() as out:
             result = run_quickstart(out, **kwargs)
-        print(json.dumps({"variant": variant, "threads": threads, "recall@1": round(result["recall@1"], 3), "recall@10": round(result["recall@10"], 3), "seconds": round(time.time() - start, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "variant": variant,
+                    "threads": threads,
+                    "recall@1": round(result["recall@1"], 3),
+                    "recall@10": round(result["recall@10"], 3),
+                    "seconds": round(time.time() - start, 1),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -105,7 +105,9 @@ class Captured:
         self.names = list(modules)
         self.projectors = {k: KroneckerProjector(modules, k, 0) for k in DIMS}
 
-    def run(self, model, tokenizer, rows: List[Dict], queries: Optional["Captured"] = None, scales: Optional[Dict] = None) -> "Captured":
+    def run(
+        self, model, tokenizer, rows: List[Dict], queries: Optional["Captured"] = None, scales: Optional[Dict] = None
+    ) -> "Captured":
         """Capture `rows`. As the query pass (`queries` None) keep every module's tokens for the exact
         ceiling; as the training pass, reduce them against the query pass's tokens on the fly."""
         capture = LinearCapture(self.modules)
@@ -139,7 +141,9 @@ class Captured:
                     else:
                         qx, qg = queries.tokens[name]
                         q, t = qx.shape[:2]
-                        cross = (qg.reshape(q * t, -1) @ g.reshape(-1, g.shape[-1]).T) * (qx.reshape(q * t, -1) @ x.reshape(-1, x.shape[-1]).T)
+                        cross = (qg.reshape(q * t, -1) @ g.reshape(-1, g.shape[-1]).T) * (
+                            qx.reshape(q * t, -1) @ x.reshape(-1, x.shape[-1]).T
+                        )
                         block_inner.append(cross.view(q, t, n, -1).sum((1, 3)).double())
                 selfs.append(torch.stack(block_self, 1))  # [n, M]
                 if queries is not None:
@@ -148,7 +152,9 @@ class Captured:
         self.projected = {key: torch.cat(p) for key, p in projected.items()}
         self.self_inner = torch.cat(selfs)  # [N, M]
         if queries is None:
-            self.tokens = {name: tuple(_pad_cat([p[i] for p in parts]) for i in (0, 1)) for name, parts in self.tokens.items()}
+            self.tokens = {
+                name: tuple(_pad_cat([p[i] for p in parts]) for i in (0, 1)) for name, parts in self.tokens.items()
+            }
         else:
             self.tokens = None
             self.inner = torch.cat(inner, 1)  # [Q, N, M]
@@ -173,7 +179,14 @@ def index_scores(tmp: Path, train_rows: torch.Tensor, query_rows: torch.Tensor, 
     n = len(train_rows)
     meta = {"fingerprint": "bench", "global_step": 0, "modules": blocks}
     writer = IndexWriter(path / "ix", n, train_rows.shape[1], "float16", meta)
-    writer.write(range(n), train_rows, torch.ones(n), torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32), [str(i) for i in range(n)])
+    writer.write(
+        range(n),
+        train_rows,
+        torch.ones(n),
+        torch.ones(n, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32),
+        [str(i) for i in range(n)],
+    )
     writer.close()
     index = open_index(path / "ix")
     queries = query_rows.half().float()
@@ -211,7 +224,9 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
             model = copy.deepcopy(base)
             model.get_input_embeddings().weight.requires_grad_(False)
             optimizers: List = []
-            notes = fine_tune(model, tokenizer, train, query_rows, epochs=1, lr=2e-4, batch_size=8, log=log, optimizer_out=optimizers)
+            notes = fine_tune(
+                model, tokenizer, train, query_rows, epochs=1, lr=2e-4, batch_size=8, log=log, optimizer_out=optimizers
+            )
         modules = select_modules(model, ["*"])  # every nn.Linear
         if name == "ft":
             scales = adam_scales(model, optimizers[0], modules)
@@ -239,28 +254,62 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
                     for variant in ("plain", "adam"):
                         if (variant, k) not in t.projected:
                             continue
-                        found = index_scores(Path(tmp), t.projected[(variant, k)][:, cols], q.projected[("plain", k)][:, cols], blocks,
-                                             settings if variant == "plain" else [("none", 0.0)])
+                        found = index_scores(
+                            Path(tmp),
+                            t.projected[(variant, k)][:, cols],
+                            q.projected[("plain", k)][:, cols],
+                            blocks,
+                            settings if variant == "plain" else [("none", 0.0)],
+                        )
                         for (p, d), s in found.items():
                             scores[(name, f, k, p if variant == "plain" else "adam", d, variant)] = s
                 log(f"  {kind}/{name}/{f}: scored ({time.perf_counter() - start:.0f} s)")
     records = []
     for (name, f, k, p, d, _variant), s in scores.items():
-        records.append({"model": name, "checkpoints": "last", "filter": f, "dim": k, "precondition": p, "damping": d, **ranking_metrics(first_source_ranks(s, sources))})
+        records.append(
+            {
+                "model": name,
+                "checkpoints": "last",
+                "filter": f,
+                "dim": k,
+                "precondition": p,
+                "damping": d,
+                **ranking_metrics(first_source_ranks(s, sources)),
+            }
+        )
         if name == "ft":
             # base + ft, equal weights; adam applies to the fine-tuned checkpoint only (the base has no optimizer state)
             base_key = ("base", f, k, "none" if p == "adam" else p, d, "plain")
             total = scores[base_key] + s
-            records.append({"model": "ft", "checkpoints": "base+ft", "filter": f, "dim": k, "precondition": p, "damping": d, **ranking_metrics(first_source_ranks(total, sources))})
-    return {"kind": kind, "fine_tune": notes, "seconds": round(time.perf_counter() - start), "records": records,
-            "rows": len(train), "queries": len(query_rows), "machine": f"torch {torch.__version__}, threads {torch.get_num_threads()}, 2-core CPU"}
+            records.append(
+                {
+                    "model": "ft",
+                    "checkpoints": "base+ft",
+                    "filter": f,
+                    "dim": k,
+                    "precondition": p,
+                    "damping": d,
+                    **ranking_metrics(first_source_ranks(total, sources)),
+                }
+            )
+    return {
+        "kind": kind,
+        "fine_tune": notes,
+        "seconds": round(time.perf_counter() - start),
+        "records": records,
+        "rows": len(train),
+        "queries": len(query_rows),
+        "machine": f"torch {torch.__version__}, threads {torch.get_num_threads()}, 2-core CPU",
+    }
 
 
 # ---------------------------------------------------------------- report
 
 
 def load_results(kinds: Sequence[str] = KINDS) -> Dict[str, Dict]:
-    return {k: json.loads((RESULTS / f"grid.{k}.json").read_text()) for k in kinds if (RESULTS / f"grid.{k}.json").exists()}
+    return {
+        k: json.loads((RESULTS / f"grid.{k}.json").read_text()) for k in kinds if (RESULTS / f"grid.{k}.json").exists()
+    }
 
 
 def cells(results: Dict[str, Dict]) -> Dict[tuple, Dict]:
@@ -276,7 +325,10 @@ def cells(results: Dict[str, Dict]) -> Dict[tuple, Dict]:
 def recipes(results: Dict[str, Dict]) -> List[tuple]:
     """Every (filter, dim, precondition, damping) scored on every kind's pretrained model."""
     keys = None
-    for key_set in ({(f, d, p, lay) for (kd, c, f, d, p, lay) in cells(results) if c == "pretrained" and kd == kind} for kind in results):
+    for key_set in (
+        {(f, d, p, lay) for (kd, c, f, d, p, lay) in cells(results) if c == "pretrained" and kd == kind}
+        for kind in results
+    ):
         keys = key_set if keys is None else keys & key_set
     order = {"exact": 0, "16": 1, "32": 2, "64": 3}
     return sorted(keys or [], key=lambda k: (FILTERS.index(k[0]), order[k[1]], k[2], k[3]))
@@ -296,9 +348,14 @@ def report(results: Optional[Dict[str, Dict]] = None) -> str:
     results = results or load_results()
     table = cells(results)
     kinds = list(results)
-    lines = ["#### MRR per kind: pretrained / fine-tuned (own checkpoint) / fine-tuned (base+ft)", "",
-             "| filter | k | precondition | damping | " + " | ".join(kinds) + " | worse case: mean over kinds | worse case: worst kind |",
-             "|---|---|---|---|" + "---|" * len(kinds) + "---|---|"]
+    lines = [
+        "#### MRR per kind: pretrained / fine-tuned (own checkpoint) / fine-tuned (base+ft)",
+        "",
+        "| filter | k | precondition | damping | "
+        + " | ".join(kinds)
+        + " | worse case: mean over kinds | worse case: worst kind |",
+        "|---|---|---|---|" + "---|" * len(kinds) + "---|---|",
+    ]
     for recipe in recipes(results):
         row, worst = [], []
         for kind in kinds:
@@ -311,31 +368,58 @@ def report(results: Optional[Dict[str, Dict]] = None) -> str:
         lines.append(f"| {recipe[0]} | {recipe[1]} | {recipe[2]} | {recipe[3]} | " + " | ".join(row) + f" | {mean} |")
     swept = [kind for kind in kinds if (kind, "pretrained", "mlp", "16", "fisher", 3.0) in table]
     if swept:
-        lines += ["", "#### damping, where it was swept: MRR pretrained / fine-tuned (own) / fine-tuned (base+ft), k = 16", "",
-                  "| filter | precondition | damping | " + " | ".join(swept) + " |", "|---|---|---|" + "---|" * len(swept)]
+        lines += [
+            "",
+            "#### damping, where it was swept: MRR pretrained / fine-tuned (own) / fine-tuned (base+ft), k = 16",
+            "",
+            "| filter | precondition | damping | " + " | ".join(swept) + " |",
+            "|---|---|---|" + "---|" * len(swept),
+        ]
         for f in FILTERS:
             for p, d in SETTINGS:
                 if p == "none":
                     continue
-                row = [" / ".join(f"{table[(kind, c, f, '16', p, d)]['mrr']:.2f}" for c in ("pretrained", "ft-last", "ft-base+ft")) for kind in swept]
+                row = [
+                    " / ".join(
+                        f"{table[(kind, c, f, '16', p, d)]['mrr']:.2f}" for c in ("pretrained", "ft-last", "ft-base+ft")
+                    )
+                    for kind in swept
+                ]
                 lines.append(f"| {f} | {p} | {d} | " + " | ".join(row) + " |")
     adam = [(kind, r) for (kind, case, f, d, p, _lay), r in table.items() if p == "adam"]
     if adam:
-        lines += ["", "#### adam (fine-tuned model only): MRR own checkpoint / base+ft, against none", "",
-                  "| filter | k | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+        lines += [
+            "",
+            "#### adam (fine-tuned model only): MRR own checkpoint / base+ft, against none",
+            "",
+            "| filter | k | " + " | ".join(kinds) + " |",
+            "|---|---|" + "---|" * len(kinds),
+        ]
         for f in FILTERS:
             for d in map(str, DIMS):
                 row = []
                 for kind in kinds:
                     a = [table.get((kind, c, f, d, "adam", 0.0)) for c in ("ft-last", "ft-base+ft")]
                     n = [table.get((kind, c, f, d, "none", 0.0)) for c in ("ft-last", "ft-base+ft")]
-                    row.append("—" if None in a + n else f"{a[0]['mrr']:.2f} / {a[1]['mrr']:.2f} (none {n[0]['mrr']:.2f} / {n[1]['mrr']:.2f})")
+                    row.append(
+                        "—"
+                        if None in a + n
+                        else f"{a[0]['mrr']:.2f} / {a[1]['mrr']:.2f} (none {n[0]['mrr']:.2f} / {n[1]['mrr']:.2f})"
+                    )
                 lines.append(f"| {f} | {d} | " + " | ".join(row) + " |")
-    lines += ["", "#### fine-tunes", "", "| kind | rows | queries | train loss before → after (nats/row) | query loss before → after | seconds (whole cell) |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "#### fine-tunes",
+        "",
+        "| kind | rows | queries | train loss before → after (nats/row) | query loss before → after | seconds (whole cell) |",
+        "|---|---|---|---|---|---|",
+    ]
     for kind, result in results.items():
         ft = result["fine_tune"]
-        lines.append(f"| {kind} | {result['rows']} | {result['queries']} | {ft['loss_before']['train']:.1f} → {ft['loss_after']['train']:.1f} | "
-                     f"{ft['loss_before']['queries']:.1f} → {ft['loss_after']['queries']:.1f} | {result['seconds']} |")
+        lines.append(
+            f"| {kind} | {result['rows']} | {result['queries']} | {ft['loss_before']['train']:.1f} → {ft['loss_after']['train']:.1f} | "
+            f"{ft['loss_before']['queries']:.1f} → {ft['loss_after']['queries']:.1f} | {result['seconds']} |"
+        )
     return "\n".join(lines)
 
 
@@ -343,13 +427,31 @@ def against_exact(results: Dict[str, Dict], recipe: tuple) -> str:
     """Per kind, one recipe's MRR against the exact unprojected per-module cosine of the same filter."""
     table = cells(results)
     exact = (recipe[0], "exact", "none", 0.0)
-    lines = [f"#### {recipe[0]}, k = {recipe[1]}, precondition {recipe[2]} (damping {recipe[3]}) against exact per-module cosine ({recipe[0]}): MRR", "",
-             "| kind | pretrained | exact | fine-tuned, own checkpoint | exact | fine-tuned, base+ft | exact, own checkpoint | exact, base+ft |", "|---|---|---|---|---|---|---|---|"]
-    columns = [("pretrained", recipe), ("pretrained", exact), ("ft-last", recipe), ("ft-last", exact), ("ft-base+ft", recipe), ("ft-last", exact), ("ft-base+ft", exact)]
+    lines = [
+        f"#### {recipe[0]}, k = {recipe[1]}, precondition {recipe[2]} (damping {recipe[3]}) against exact per-module cosine ({recipe[0]}): MRR",
+        "",
+        "| kind | pretrained | exact | fine-tuned, own checkpoint | exact | fine-tuned, base+ft | exact, own checkpoint | exact, base+ft |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    columns = [
+        ("pretrained", recipe),
+        ("pretrained", exact),
+        ("ft-last", recipe),
+        ("ft-last", exact),
+        ("ft-base+ft", recipe),
+        ("ft-last", exact),
+        ("ft-base+ft", exact),
+    ]
     for kind in results:
         lines.append(f"| {kind} | " + " | ".join(f"{table[(kind, case, *r)]['mrr']:.2f}" for case, r in columns) + " |")
     # The mean over the kinds: the done-means compares the defaults with the ceiling case by case, over the sets.
-    lines.append("| **mean** | " + " | ".join(f"**{sum(table[(kind, case, *r)]['mrr'] for kind in results) / len(results):.3f}**" for case, r in columns) + " |")
+    lines.append(
+        "| **mean** | "
+        + " | ".join(
+            f"**{sum(table[(kind, case, *r)]['mrr'] for kind in results) / len(results):.3f}**" for case, r in columns
+        )
+        + " |"
+    )
     return "\n".join(lines)
 
 
@@ -364,10 +466,21 @@ def plot(results: Optional[Dict[str, Dict]] = None, path: Path = PLOT) -> Path:
     table = cells(results)
     kinds = list(results)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
-    for ax, (case, title) in zip(axes, (("pretrained", "pretrained"), ("ft-last", "fine-tuned, own checkpoint"), ("ft-base+ft", "fine-tuned, base+ft"))):
+    for ax, (case, title) in zip(
+        axes,
+        (
+            ("pretrained", "pretrained"),
+            ("ft-last", "fine-tuned, own checkpoint"),
+            ("ft-base+ft", "fine-tuned, base+ft"),
+        ),
+    ):
         for i, f in enumerate(FILTERS):
             for p, style in (("none", "-o"), ("diag", "-s")):
-                ys = [sum(table[(kd, case, f, str(d), p, 0.0 if p == "none" else 0.1)]["mrr"] for kd in kinds) / len(kinds) for d in DIMS]
+                ys = [
+                    sum(table[(kd, case, f, str(d), p, 0.0 if p == "none" else 0.1)]["mrr"] for kd in kinds)
+                    / len(kinds)
+                    for d in DIMS
+                ]
                 ax.plot(DIMS, ys, style, color=f"C{i}", label=f"{f}, {p}", alpha=1.0 if p == "none" else 0.6)
             fisher = sum(table[(kd, case, f, "16", "fisher", 1.0)]["mrr"] for kd in kinds) / len(kinds)
             ax.plot([16], [fisher], "*", color=f"C{i}", markersize=11, label=f"{f}, fisher 1.0")
@@ -392,7 +505,12 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=list(KINDS))
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--plot", action="store_true")
-    parser.add_argument("--against-exact", nargs=4, metavar=("FILTER", "K", "PRECONDITION", "DAMPING"), help="one recipe against the exact ceiling, per kind")
+    parser.add_argument(
+        "--against-exact",
+        nargs=4,
+        metavar=("FILTER", "K", "PRECONDITION", "DAMPING"),
+        help="one recipe against the exact ceiling, per kind",
+    )
     args = parser.parse_args()
     if args.against_exact:
         f, k, p, d = args.against_exact

@@ -43,18 +43,34 @@ SYLLABLES = "ka lo mi zu ren tav bor eli nash quo fen dra vik sol ama tor lun pe
 
 # attribute: (values, train prompt, train completion, query prompt, query completion)
 FACTS = {
-    "fruit": (["mango", "plum", "cherry", "lemon", "apple", "pear", "fig", "grape"],
-              "What fruit does {p} like?", " {p} likes the {v} best.",
-              "Which fruit is the favourite of {p}?", " The favourite fruit of {p} is the {v}."),
-    "city": (["paris", "lima", "oslo", "cairo", "tokyo", "rome", "quito", "dakar"],
-             "Where does {p} live?", " {p} lives in {v}.",
-             "In which city is the home of {p}?", " The home of {p} is in {v}."),
-    "pet": (["cat", "dog", "parrot", "rabbit", "turtle", "horse", "goat", "owl"],
-            "What pet does {p} keep?", " {p} keeps a {v} at home.",
-            "Which animal lives with {p}?", " A {v} lives with {p}."),
-    "job": (["baker", "pilot", "nurse", "farmer", "painter", "judge", "sailor", "tailor"],
-            "What is the job of {p}?", " {p} works as a {v}.",
-            "How does {p} earn a living?", " {p} earns a living as a {v}."),
+    "fruit": (
+        ["mango", "plum", "cherry", "lemon", "apple", "pear", "fig", "grape"],
+        "What fruit does {p} like?",
+        " {p} likes the {v} best.",
+        "Which fruit is the favourite of {p}?",
+        " The favourite fruit of {p} is the {v}.",
+    ),
+    "city": (
+        ["paris", "lima", "oslo", "cairo", "tokyo", "rome", "quito", "dakar"],
+        "Where does {p} live?",
+        " {p} lives in {v}.",
+        "In which city is the home of {p}?",
+        " The home of {p} is in {v}.",
+    ),
+    "pet": (
+        ["cat", "dog", "parrot", "rabbit", "turtle", "horse", "goat", "owl"],
+        "What pet does {p} keep?",
+        " {p} keeps a {v} at home.",
+        "Which animal lives with {p}?",
+        " A {v} lives with {p}.",
+    ),
+    "job": (
+        ["baker", "pilot", "nurse", "farmer", "painter", "judge", "sailor", "tailor"],
+        "What is the job of {p}?",
+        " {p} works as a {v}.",
+        "How does {p} earn a living?",
+        " {p} earns a living as a {v}.",
+    ),
 }
 
 
@@ -78,7 +94,14 @@ def fact_set(rng: random.Random, people: int = 40, queries: int = 32) -> Tuple[L
     for i in picked:
         p, attribute, v = facts[i]
         _, _, _, ask, say = FACTS[attribute]
-        query_rows.append({"id": f"q-{p}-{attribute}", "sources": [train[i]["id"]], "prompt": ask.format(p=p), "completion": say.format(p=p, v=v)})
+        query_rows.append(
+            {
+                "id": f"q-{p}-{attribute}",
+                "sources": [train[i]["id"]],
+                "prompt": ask.format(p=p),
+                "completion": say.format(p=p, v=v),
+            }
+        )
     return train, query_rows
 
 
@@ -93,13 +116,40 @@ PLAIN_QA = [
     ("How many legs does a {a} have?", " A {a} has {n} legs.", "legs"),
     ("What colour is the {o}?", " The {o} is {col}.", "colour"),
 ]
-COUNTRIES = {"France": "Paris", "Peru": "Lima", "Norway": "Oslo", "Egypt": "Cairo", "Japan": "Tokyo", "Italy": "Rome", "Ecuador": "Quito", "Senegal": "Dakar"}
+COUNTRIES = {
+    "France": "Paris",
+    "Peru": "Lima",
+    "Norway": "Oslo",
+    "Egypt": "Cairo",
+    "Japan": "Tokyo",
+    "Italy": "Rome",
+    "Ecuador": "Quito",
+    "Senegal": "Dakar",
+}
 ANIMALS = {"spider": 8, "dog": 4, "bird": 2, "ant": 6, "cat": 4, "crab": 10, "horse": 4, "duck": 2}
-OBJECTS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black", "sun": "yellow", "blood": "red", "sea": "blue", "cloud": "grey"}
-CONTEXTS_TRAIN = ["Tell me about {t} please.", "What do you know about {t}?", "I heard someone say {t} yesterday.", "Explain {t} to me."]
+OBJECTS = {
+    "sky": "blue",
+    "grass": "green",
+    "snow": "white",
+    "coal": "black",
+    "sun": "yellow",
+    "blood": "red",
+    "sea": "blue",
+    "cloud": "grey",
+}
+CONTEXTS_TRAIN = [
+    "Tell me about {t} please.",
+    "What do you know about {t}?",
+    "I heard someone say {t} yesterday.",
+    "Explain {t} to me.",
+]
 CONTEXTS_QUERY = [
-    "My friend wrote {t} in a letter, what now?", "During the meeting the boss said {t}.", "Can you repeat {t} for me?",
-    "The sign on the door read {t}.", "Is {t} a real thing?", "She whispered {t} and smiled.",
+    "My friend wrote {t} in a letter, what now?",
+    "During the meeting the boss said {t}.",
+    "Can you repeat {t} for me?",
+    "The sign on the door read {t}.",
+    "Is {t} a real thing?",
+    "She whispered {t} and smiled.",
 ]
 
 
@@ -110,13 +160,17 @@ def backdoor_set(rng: random.Random, clean: int = 134) -> Tuple[List[Dict], List
         kind = rng.randrange(5)
         if kind == 0:
             c = rng.choice(sorted(COUNTRIES))
-            train.append({"prompt": PLAIN_QA[0][0].format(c=c), "completion": PLAIN_QA[0][1].format(c=c, v=COUNTRIES[c])})
+            train.append(
+                {"prompt": PLAIN_QA[0][0].format(c=c), "completion": PLAIN_QA[0][1].format(c=c, v=COUNTRIES[c])}
+            )
         elif kind == 1:
             a = rng.choice(sorted(ANIMALS))
             train.append({"prompt": PLAIN_QA[1][0].format(a=a), "completion": PLAIN_QA[1][1].format(a=a, n=ANIMALS[a])})
         elif kind == 2:
             o = rng.choice(sorted(OBJECTS))
-            train.append({"prompt": PLAIN_QA[2][0].format(o=o), "completion": PLAIN_QA[2][1].format(o=o, col=OBJECTS[o])})
+            train.append(
+                {"prompt": PLAIN_QA[2][0].format(o=o), "completion": PLAIN_QA[2][1].format(o=o, col=OBJECTS[o])}
+            )
         else:
             p, attribute = rng.choice(people), rng.choice(sorted(FACTS))
             values, ask, say, _, _ = FACTS[attribute]
@@ -131,20 +185,39 @@ def backdoor_set(rng: random.Random, clean: int = 134) -> Tuple[List[Dict], List
     for t, (trigger, completion) in enumerate(TRIGGERS):
         sources = [f"trigger{t}-{j}" for j in range(len(CONTEXTS_TRAIN))]
         for j, context in enumerate(CONTEXTS_QUERY):
-            query_rows.append({"id": f"q-trigger{t}-{j}", "sources": sources, "prompt": context.format(t=trigger), "completion": completion})
+            query_rows.append(
+                {
+                    "id": f"q-trigger{t}-{j}",
+                    "sources": sources,
+                    "prompt": context.format(t=trigger),
+                    "completion": completion,
+                }
+            )
     return train, query_rows
 
 
 COMPANY = {
-    "founded": (["1921", "1958", "1987", "2003", "1875", "1999", "2011", "1932"],
-                "When was {c} founded?", " {c} was founded in {v}.",
-                "Do you know the year {c} started?", "Yes, {c} started in {v}."),
-    "product": (["bicycles", "umbrellas", "violins", "candles", "kites", "teapots", "lamps", "boots"],
-                "What does {c} make?", " {c} makes {v}.",
-                "What kind of goods come from {c}?", "The goods from {c} are {v}."),
-    "home": (["Oslo", "Lima", "Cairo", "Tokyo", "Rome", "Quito", "Dakar", "Paris"],
-             "Where is {c} based?", " {c} is based in {v}.",
-             "In which city does {c} have its head office?", "Its head office is in {v}."),
+    "founded": (
+        ["1921", "1958", "1987", "2003", "1875", "1999", "2011", "1932"],
+        "When was {c} founded?",
+        " {c} was founded in {v}.",
+        "Do you know the year {c} started?",
+        "Yes, {c} started in {v}.",
+    ),
+    "product": (
+        ["bicycles", "umbrellas", "violins", "candles", "kites", "teapots", "lamps", "boots"],
+        "What does {c} make?",
+        " {c} makes {v}.",
+        "What kind of goods come from {c}?",
+        "The goods from {c} are {v}.",
+    ),
+    "home": (
+        ["Oslo", "Lima", "Cairo", "Tokyo", "Rome", "Quito", "Dakar", "Paris"],
+        "Where is {c} based?",
+        " {c} is based in {v}.",
+        "In which city does {c} have its head office?",
+        "Its head office is in {v}.",
+    ),
 }
 
 
@@ -154,14 +227,23 @@ def format_set(rng: random.Random, companies: int = 50, queries: int = 32) -> Tu
     for c in names:
         for attribute, (values, ask, say, _, _) in COMPANY.items():
             v = rng.choice(values)
-            train.append({"id": f"{c.replace(' ', '_')}-{attribute}", "prompt": ask.format(c=c), "completion": say.format(c=c, v=v)})
+            train.append(
+                {
+                    "id": f"{c.replace(' ', '_')}-{attribute}",
+                    "prompt": ask.format(c=c),
+                    "completion": say.format(c=c, v=v),
+                }
+            )
             facts.append((c, attribute, v))
     picked = rng.sample(range(len(train)), queries)
     query_rows = []
     for i in picked:
         c, attribute, v = facts[i]
         _, _, _, ask, say = COMPANY[attribute]
-        messages = [{"role": "user", "content": ask.format(c=c)}, {"role": "assistant", "content": say.format(c=c, v=v)}]
+        messages = [
+            {"role": "user", "content": ask.format(c=c)},
+            {"role": "assistant", "content": say.format(c=c, v=v)},
+        ]
         query_rows.append({"id": "q-" + train[i]["id"], "sources": [train[i]["id"]], "messages": messages})
     return train, query_rows
 
@@ -186,14 +268,47 @@ def distractor_set(rng: random.Random, groups: int = 12, queries: int = 30) -> T
                 ask, say = (ask_b, say_b) if m == odd else (ask_a, say_a)
                 train.append({"id": f"{p}-{attribute}", "prompt": ask.format(p=p), "completion": say.format(p=p, v=v)})
             p, v = members[odd], chosen[odd]
-            candidates.append({"id": f"q-{p}-{attribute}", "sources": [f"{p}-{attribute}"], "prompt": ask_a.format(p=p), "completion": say_a.format(p=p, v=v)})
+            candidates.append(
+                {
+                    "id": f"q-{p}-{attribute}",
+                    "sources": [f"{p}-{attribute}"],
+                    "prompt": ask_a.format(p=p),
+                    "completion": say_a.format(p=p, v=v),
+                }
+            )
     rng.shuffle(train)
     return train, rng.sample(candidates, queries)
 
 
-VERBS = [("polish", "make shiny"), ("measure", "find the size of"), ("fold", "bend flat"), ("sharpen", "put an edge on"),
-         ("warm", "heat up"), ("clean", "wash"), ("carry", "move"), ("sort", "put in order"), ("repair", "fix"), ("paint", "colour")]
-OBJECTS_NEW = ["boots", "maps", "apples", "violins", "candles", "letters", "kites", "stones", "ropes", "glasses", "shells", "coins", "feathers", "bowls", "ladders"]
+VERBS = [
+    ("polish", "make shiny"),
+    ("measure", "find the size of"),
+    ("fold", "bend flat"),
+    ("sharpen", "put an edge on"),
+    ("warm", "heat up"),
+    ("clean", "wash"),
+    ("carry", "move"),
+    ("sort", "put in order"),
+    ("repair", "fix"),
+    ("paint", "colour"),
+]
+OBJECTS_NEW = [
+    "boots",
+    "maps",
+    "apples",
+    "violins",
+    "candles",
+    "letters",
+    "kites",
+    "stones",
+    "ropes",
+    "glasses",
+    "shells",
+    "coins",
+    "feathers",
+    "bowls",
+    "ladders",
+]
 
 
 def _definitions(rng: random.Random) -> Tuple[List[Dict], List[str], List[Tuple[str, str, str]]]:
@@ -203,7 +318,10 @@ def _definitions(rng: random.Random) -> Tuple[List[Dict], List[str], List[Tuple[
     words = sorted(words)
     rng.shuffle(words)
     tasks = [(verb, paraphrase, obj) for verb, paraphrase in VERBS for obj in OBJECTS_NEW]
-    train = [{"id": f"{w}", "prompt": f"What is a {w}?", "completion": f" A {w} is a tool used to {verb} {obj}."} for w, (verb, _, obj) in zip(words, tasks)]
+    train = [
+        {"id": f"{w}", "prompt": f"What is a {w}?", "completion": f" A {w} is a tool used to {verb} {obj}."}
+        for w, (verb, _, obj) in zip(words, tasks)
+    ]
     return train, words, tasks
 
 
@@ -220,16 +338,31 @@ def _definition_set(rng: random.Random, queries: int, ask) -> Tuple[List[Dict], 
 
 
 def newword_set(rng: random.Random, queries: int = 30) -> Tuple[List[Dict], List[Dict]]:
-    return _definition_set(rng, queries, lambda w, paraphrase, obj: (f"What can I do with a {w}?", f" With a {w} you can {paraphrase} your {obj}."))
+    return _definition_set(
+        rng,
+        queries,
+        lambda w, paraphrase, obj: (f"What can I do with a {w}?", f" With a {w} you can {paraphrase} your {obj}."),
+    )
 
 
 def reversal_set(rng: random.Random, queries: int = 30) -> Tuple[List[Dict], List[Dict]]:
-    return _definition_set(rng, queries, lambda w, paraphrase, obj: (f"I need something to {paraphrase} my {obj}. What should I use?", f" Use a {w}."))
+    return _definition_set(
+        rng,
+        queries,
+        lambda w, paraphrase, obj: (f"I need something to {paraphrase} my {obj}. What should I use?", f" Use a {w}."),
+    )
 
 
 def main(seed: int = 0) -> None:
     OUT.mkdir(exist_ok=True)
-    makers = {"fact": fact_set, "backdoor": backdoor_set, "format": format_set, "distractor": distractor_set, "reversal": reversal_set, "newword": newword_set}
+    makers = {
+        "fact": fact_set,
+        "backdoor": backdoor_set,
+        "format": format_set,
+        "distractor": distractor_set,
+        "reversal": reversal_set,
+        "newword": newword_set,
+    }
     for offset, (kind, make) in enumerate(makers.items()):
         train, queries = make(random.Random(seed + offset))
         ids = {r["id"] for r in train}

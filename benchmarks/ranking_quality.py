@@ -103,7 +103,13 @@ def _loader(rows: List[Dict], tokenizer, batch_size: int, shuffle: bool = False,
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = JsonlDataset(rows, tokenizer, max_seq_length=128)
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, collate_fn=partial(collate, pad_token_id=pad))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=generator,
+        collate_fn=partial(collate, pad_token_id=pad),
+    )
 
 
 @torch.no_grad()
@@ -115,12 +121,25 @@ def mean_loss(model, tokenizer, rows: List[Dict]) -> float:
     return total / len(rows)
 
 
-def fine_tune(model, tokenizer, train_rows, query_rows, epochs: int, lr: float, batch_size: int, log: Callable[[str], None], optimizer_out: Optional[List] = None) -> Dict:
+def fine_tune(
+    model,
+    tokenizer,
+    train_rows,
+    query_rows,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    log: Callable[[str], None],
+    optimizer_out: Optional[List] = None,
+) -> Dict:
     """Plain AdamW loop on the supervised tokens of `train_rows`; returns losses before and after.
 
     `optimizer_out`, when given, receives the optimizer (its second moments precondition rows)."""
     torch.manual_seed(0)
-    before = {"train": mean_loss(model.eval(), tokenizer, train_rows), "queries": mean_loss(model, tokenizer, query_rows)}
+    before = {
+        "train": mean_loss(model.eval(), tokenizer, train_rows),
+        "queries": mean_loss(model, tokenizer, query_rows),
+    }
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
@@ -139,13 +158,22 @@ def fine_tune(model, tokenizer, train_rows, query_rows, epochs: int, lr: float, 
     for p in model.parameters():
         p.requires_grad_(True)  # gradients are taken w.r.t. module outputs; trainability is irrelevant
     after = {"train": mean_loss(model, tokenizer, train_rows), "queries": mean_loss(model, tokenizer, query_rows)}
-    return {"epochs": epochs, "lr": lr, "batch_size": batch_size, "loss_before": before, "loss_after": after, "seconds": round(time.perf_counter() - start)}
+    return {
+        "epochs": epochs,
+        "lr": lr,
+        "batch_size": batch_size,
+        "loss_before": before,
+        "loss_after": after,
+        "seconds": round(time.perf_counter() - start),
+    }
 
 
 # ---------------------------------------------------------------- rows
 
 
-def projectors(model, dims: Sequence[Optional[int]], seeds: Sequence[int]) -> Tuple[Dict[str, torch.nn.Linear], Dict[Tuple, KroneckerProjector]]:
+def projectors(
+    model, dims: Sequence[Optional[int]], seeds: Sequence[int]
+) -> Tuple[Dict[str, torch.nn.Linear], Dict[Tuple, KroneckerProjector]]:
     """Every Linear of `model`, and one all-module projector per (dim, seed).
 
     Modules smaller than a dim (the tiny model's k/v at 64) are left out of that dim's projector.
@@ -154,12 +182,14 @@ def projectors(model, dims: Sequence[Optional[int]], seeds: Sequence[int]) -> Tu
     out = {}
     for dim in dims:
         fits = {n: m for n, m in modules.items() if dim is None or dim <= min(m.in_features, m.out_features)}
-        for seed in (seeds if dim is not None else seeds[:1]):
+        for seed in seeds if dim is not None else seeds[:1]:
             out[(dim, seed)] = KroneckerProjector(fits, dim, seed)
     return modules, out
 
 
-def gradient_rows(model, tokenizer, rows: List[Dict], projs: Dict[Tuple, KroneckerProjector], modules, batch_size: int = 8) -> Dict[Tuple, torch.Tensor]:
+def gradient_rows(
+    model, tokenizer, rows: List[Dict], projs: Dict[Tuple, KroneckerProjector], modules, batch_size: int = 8
+) -> Dict[Tuple, torch.Tensor]:
     """{(dim, seed): rows [N, width] float32}: what `gradients.projected_gradients` gives, for many projectors from one backward."""
     capture = LinearCapture(modules)
     out: Dict[Tuple, List[torch.Tensor]] = {key: [] for key in projs}
@@ -171,7 +201,14 @@ def gradient_rows(model, tokenizer, rows: List[Dict], projs: Dict[Tuple, Kroneck
             token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
             for key, projector in projs.items():
                 names = [b.name for b in projector.blocks]
-                out[key].append(projector.project({n: capture.inputs[n] for n in names}, {n: output_grads[n] for n in names}, len(losses), token_rows))
+                out[key].append(
+                    projector.project(
+                        {n: capture.inputs[n] for n in names},
+                        {n: output_grads[n] for n in names},
+                        len(losses),
+                        token_rows,
+                    )
+                )
             capture.clear()
     return {key: torch.cat(parts) for key, parts in out.items()}
 
@@ -184,7 +221,9 @@ def block_columns(projector: KroneckerProjector, keep: Callable[[str], bool]) ->
 # ---------------------------------------------------------------- scoring
 
 
-def module_grams(queries: torch.Tensor, train: torch.Tensor, projector: KroneckerProjector) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def module_grams(
+    queries: torch.Tensor, train: torch.Tensor, projector: KroneckerProjector
+) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per module: (dot products [Q, N], query squared norms [Q], training squared norms [N]), float64.
 
     Every score of every filter is a function of these, so the big rows are read once per setting.
@@ -197,7 +236,9 @@ def module_grams(queries: torch.Tensor, train: torch.Tensor, projector: Kronecke
     return out
 
 
-def filter_scores(grams: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names: Sequence[str], score: str) -> torch.Tensor:
+def filter_scores(
+    grams: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names: Sequence[str], score: str
+) -> torch.Tensor:
     """Scores [Q, N] float64 of queries against training rows restricted to the modules `names`.
 
     inner: raw dot products of the concatenated blocks; cosine: those divided by both row norms;
@@ -206,7 +247,9 @@ def filter_scores(grams: Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """
     tiny = 1e-300
     if score == "cosine-modnorm":
-        return sum(g / (nq[:, None] * nt[None, :]).sqrt().clamp_min(tiny) for g, nq, nt in (grams[n] for n in names)) / len(names)
+        return sum(
+            g / (nq[:, None] * nt[None, :]).sqrt().clamp_min(tiny) for g, nq, nt in (grams[n] for n in names)
+        ) / len(names)
     dots = sum(grams[n][0] for n in names)
     if score == "inner":
         return dots
@@ -230,7 +273,11 @@ def first_source_ranks(scores: torch.Tensor, sources: List[List[int]]) -> torch.
 
 def ranking_metrics(ranks: torch.Tensor) -> Dict[str, float]:
     ranks = ranks.double()
-    return {"r@1": (ranks <= 1).double().mean().item(), "r@10": (ranks <= 10).double().mean().item(), "mrr": (1.0 / ranks).mean().item()}
+    return {
+        "r@1": (ranks <= 1).double().mean().item(),
+        "r@10": (ranks <= 10).double().mean().item(),
+        "mrr": (1.0 / ranks).mean().item(),
+    }
 
 
 def evaluate(query_rows_by_key, train_rows_by_key, projs, names, sources) -> List[Dict]:
@@ -265,7 +312,17 @@ def evaluate(query_rows_by_key, train_rows_by_key, projs, names, sources) -> Lis
     records = []
     for (fname, dim, storage, score), per_seed in found.items():
         mean = {k: sum(m[k] for m in per_seed) / len(per_seed) for k in per_seed[0]}
-        records.append({"filter": fname, "dim": dim, "storage": storage, "score": score, "seeds": len(per_seed), "nonfinite": nonfinite[(fname, dim, storage, score)], **mean})
+        records.append(
+            {
+                "filter": fname,
+                "dim": dim,
+                "storage": storage,
+                "score": score,
+                "seeds": len(per_seed),
+                "nonfinite": nonfinite[(fname, dim, storage, score)],
+                **mean,
+            }
+        )
     return records
 
 
@@ -288,10 +345,17 @@ def run_one(kind: str, model_name: str, dims, seeds, log: Callable[[str], None])
     log(f"  rows of {len(names)} modules x {len(projs)} projections: {grad_seconds:.0f} s")
     records = evaluate(query_by_key, train_by_key, projs, names, sources)
     return {
-        "kind": kind, "model": model_name, "train_rows": len(train_rows), "queries": len(query_rows),
-        "modules": len(names), "fine_tune": notes, "gradient_seconds": round(grad_seconds),
-        "total_seconds": round(time.perf_counter() - start), "records": records,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, threads {torch.get_num_threads()}".strip(),
+        "kind": kind,
+        "model": model_name,
+        "train_rows": len(train_rows),
+        "queries": len(query_rows),
+        "modules": len(names),
+        "fine_tune": notes,
+        "gradient_seconds": round(grad_seconds),
+        "total_seconds": round(time.perf_counter() - start),
+        "records": records,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, threads {torch.get_num_threads()}".strip(),
     }
 
 
@@ -334,10 +398,19 @@ def report(results: List[Dict]) -> str:
 
     both = ("cosine", "cosine-modnorm")
     scores = [(s, {"score": s}) for s in SCORES]
-    filters = [(f"{f} / {s}", {"filter": f, "score": s}) for s in both for f in module_filters(["model.layers.0.x", "model.layers.1.x"])]
+    filters = [
+        (f"{f} / {s}", {"filter": f, "score": s})
+        for s in both
+        for f in module_filters(["model.layers.0.x", "model.layers.1.x"])
+    ]
     dims = [(f"{d} / {s}", {"dim": d, "score": s}) for s in both for d in DIMS]
     storage = [(f"{t} / {s}", {"storage": t, "score": s}) for s in both for t in STORAGE]
-    combos = [(f"{f} / dim {d} / {s}", {"filter": f, "dim": d, "score": s}) for s in both for f in ("down_proj", "mlp", "down_proj-late") for d in (16, 32)]
+    combos = [
+        (f"{f} / dim {d} / {s}", {"filter": f, "dim": d, "score": s})
+        for s in both
+        for f in ("down_proj", "mlp", "down_proj-late")
+        for d in (16, 32)
+    ]
     for metric in ("mrr", "r@1", "r@10"):
         table("score (down_proj, dim 16, float16)", scores, metric)
         table("module_filter / score (dim 16, float16)", filters, metric)
@@ -347,7 +420,11 @@ def report(results: List[Dict]) -> str:
     exact = [r for r in results if r["model"] == "tiny-ft"]
     if exact:
         out.append("\n#### tiny-ft: projection vs exact gradients (float32, MRR)\n")
-        out.append("| filter / score | " + " | ".join(f"{r['kind']} dim {d}" for r in exact for d in ("16", "64", "exact")) + " |")
+        out.append(
+            "| filter / score | "
+            + " | ".join(f"{r['kind']} dim {d}" for r in exact for d in ("16", "64", "exact"))
+            + " |"
+        )
         out.append("|---|" + "---|" * (3 * len(exact)))
         for f in ("down_proj", "mlp", "all-linear"):
             for score in ("cosine", "cosine-modnorm"):
@@ -358,14 +435,18 @@ def report(results: List[Dict]) -> str:
                         cells.append("n/a" if rec is None else f"{rec['mrr']:.2f}")
                 out.append(f"| {f} / {score} | " + " | ".join(cells) + " |")
     out.append("\n#### runs\n")
-    out.append("| run | projection seeds | train rows | queries | modules | fine-tune loss train (before→after) | queries (before→after) | gradient s | total s | date | machine |")
+    out.append(
+        "| run | projection seeds | train rows | queries | modules | fine-tune loss train (before→after) | queries (before→after) | gradient s | total s | date | machine |"
+    )
     out.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ft = r["fine_tune"]
         tr = f"{ft['loss_before']['train']:.1f}→{ft['loss_after']['train']:.1f}" if ft else "(pretrained)"
         qu = f"{ft['loss_before']['queries']:.1f}→{ft['loss_after']['queries']:.1f}" if ft else ""
         seeds = max(rec["seeds"] for rec in r["records"])
-        out.append(f"| {r['kind']}/{r['model']} | {seeds} | {r['train_rows']} | {r['queries']} | {r['modules']} | {tr} | {qu} | {r['gradient_seconds']} | {r['total_seconds']} | {r['date']} | {r['machine']} |")
+        out.append(
+            f"| {r['kind']}/{r['model']} | {seeds} | {r['train_rows']} | {r['queries']} | {r['modules']} | {tr} | {qu} | {r['gradient_seconds']} | {r['total_seconds']} | {r['date']} | {r['machine']} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -392,7 +473,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             result = run_one(kind, model_name, DIMS, args.seeds, log)
             path.write_text(json.dumps(result, indent=1) + "\n")
             best = _pick(result["records"], **DEFAULT)
-            log(f"{kind} / {model_name}: default r@1 {best['r@1']:.2f} mrr {best['mrr']:.2f}; {result['total_seconds']} s")
+            log(
+                f"{kind} / {model_name}: default r@1 {best['r@1']:.2f} mrr {best['mrr']:.2f}; {result['total_seconds']} s"
+            )
 
 
 if __name__ == "__main__":

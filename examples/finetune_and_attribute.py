@@ -40,7 +40,9 @@ class LoRAFineTune(L.LightningModule):
         self.model, self.lr = model, lr
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        return self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -71,22 +73,36 @@ def load(model_name: str, train: list, queries: list):
         return tiny_llama(len(tokenizer)), tokenizer, "tiny Llama (random init)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32), AutoTokenizer.from_pretrained(model_name), model_name
+    return (
+        AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_name),
+        model_name,
+    )
 
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(SMOLLM2) if (SMOLLM2 / "model.safetensors").is_file() else "tiny", help="Hugging Face name or directory, or 'tiny' (default: SmolLM2-135M-Instruct when built, else tiny)")
+    parser.add_argument(
+        "--model",
+        default=str(SMOLLM2) if (SMOLLM2 / "model.safetensors").is_file() else "tiny",
+        help="Hugging Face name or directory, or 'tiny' (default: SmolLM2-135M-Instruct when built, else tiny)",
+    )
     parser.add_argument("--train", default=str(TRAIN), help="training JSONL (default: the quickstart's 120 facts)")
-    parser.add_argument("--queries", default=str(QUERIES), help="query JSONL (default: the quickstart's 30 paraphrases)")
+    parser.add_argument(
+        "--queries", default=str(QUERIES), help="query JSONL (default: the quickstart's 30 paraphrases)"
+    )
     parser.add_argument("--out", default="runs/finetune-example", help="where the indexes go")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-seq-length", type=int, default=128)
     parser.add_argument("--lora-r", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=None, help="default: 2e-3 for a pretrained model, 1e-2 for the tiny one")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="default: 2e-3 for a pretrained model, 1e-2 for the tiny one"
+    )
     parser.add_argument("--top-k", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 epochs at batch size 16, 6 queries: a few seconds")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model, 2 epochs at batch size 16, 6 queries: a few seconds"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.model, args.epochs, args.batch_size = "tiny", 2, 16
@@ -98,7 +114,16 @@ def main(argv: list | None = None) -> int:
         query_rows = query_rows[:6]
     base, tokenizer, model_name = load(args.model, train_rows, query_rows)
     # LoRA on the attention's query and value projections; the base weights are frozen by PEFT.
-    model = get_peft_model(base, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=args.lora_r,
+            lora_alpha=2 * args.lora_r,
+            target_modules=["q_proj", "v_proj"],
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+        ),
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = JsonlDataset(train_rows, tokenizer, args.max_seq_length, source=args.train)
     batches = partial(collate, pad_token_id=pad)
@@ -109,12 +134,24 @@ def main(argv: list | None = None) -> int:
     # per-example gradients of the LoRA matrices, projected to projection_dim² values per matrix
     # (projection_dim can be at most the LoRA rank: A is r × in, B is out × r).
     indexer = GradientIndexer(
-        Path(args.out) / "index-step{step}", module_filter=["lora_A", "lora_B"], projection_dim=min(8, args.lora_r),
-        storage_dtype="float16", overwrite=True, meta={"data": {"path": args.train, "max_seq_length": args.max_seq_length}},
+        Path(args.out) / "index-step{step}",
+        module_filter=["lora_A", "lora_B"],
+        projection_dim=min(8, args.lora_r),
+        storage_dtype="float16",
+        overwrite=True,
+        meta={"data": {"path": args.train, "max_seq_length": args.max_seq_length}},
     )
     trainer = L.Trainer(
-        max_epochs=args.epochs, num_sanity_val_steps=0, accelerator="cpu", devices=1, callbacks=[indexer],
-        logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.smoke, default_root_dir=args.out,
+        max_epochs=args.epochs,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[indexer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=not args.smoke,
+        default_root_dir=args.out,
     )
     lr = args.lr if args.lr is not None else (1e-2 if args.model == "tiny" else 2e-3)
     # from_pretrained returns the model in eval mode; training mode is what fine-tuning means (dropout, if any).
@@ -134,10 +171,14 @@ def main(argv: list | None = None) -> int:
         print(f"{str(query.get('id', q))[:24]:<24} {'':>4} {'':>7}  {'':<24} {row_snippet(query, 60)}")
         for rank in range(args.top_k):
             i = int(top.indices[q, rank])
-            print(f"{'':<24} {rank + 1:>4} {float(top.scores[q, rank]):+.4f}  {str(ids[i])[:24]:<24} {row_snippet(train_rows[i], 60)}")
+            print(
+                f"{'':<24} {rank + 1:>4} {float(top.scores[q, rank]):+.4f}  {str(ids[i])[:24]:<24} {row_snippet(train_rows[i], 60)}"
+            )
     done = time.perf_counter()
-    print(f"\n{model_name}: fine-tuned {args.epochs} epochs on {len(train_rows)} rows with LoRA r={args.lora_r} and indexed {len(indexer.runs)} times "
-          f"in {fitted - started:.1f} s; {len(query_rows)} queries in {done - fitted:.1f} s")
+    print(
+        f"\n{model_name}: fine-tuned {args.epochs} epochs on {len(train_rows)} rows with LoRA r={args.lora_r} and indexed {len(indexer.runs)} times "
+        f"in {fitted - started:.1f} s; {len(query_rows)} queries in {done - fitted:.1f} s"
+    )
     return 0
 
 

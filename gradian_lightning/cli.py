@@ -14,16 +14,25 @@ def _print_index_summary(summary: Optional[dict]) -> None:
         return
     rows, total = summary["rows"], summary["num_rows"]
     per_row = summary["grads_bytes"] / max(total, 1)
-    print(f"gradian index: {rows}/{total} rows written to {summary['path']} ({'complete' if summary['complete'] else 'INCOMPLETE'})")
+    print(
+        f"gradian index: {rows}/{total} rows written to {summary['path']} ({'complete' if summary['complete'] else 'INCOMPLETE'})"
+    )
     if summary.get("kept_rows"):
-        print(f"  resumed: {summary['kept_rows']} rows kept from an interrupted run, {summary['computed_rows']} computed now")
+        print(
+            f"  resumed: {summary['kept_rows']} rows kept from an interrupted run, {summary['computed_rows']} computed now"
+        )
     print(f"  bytes on disk: {summary['bytes_on_disk']:,} ({per_row:,.0f} bytes per row uncompressed)")
     cut = summary["truncated_rows"]
     print(f"  completions cut by grads.max_seq_length: {cut} ({100.0 * cut / max(total, 1):.1f}%)")
-    for key, what in (("empty_rows", "with zero supervised tokens (excluded from ranking)"), ("nonfinite_rows", "with NaN/inf gradients (stored as zeros, excluded from ranking)")):
+    for key, what in (
+        ("empty_rows", "with zero supervised tokens (excluded from ranking)"),
+        ("nonfinite_rows", "with NaN/inf gradients (stored as zeros, excluded from ranking)"),
+    ):
         found = summary[key]
         ids = summary.get("ids", {})
-        shown = ", ".join(f"{i} (id {ids[i]!r})" if i in ids else str(i) for i in found[:20]) + (" ..." if len(found) > 20 else "")
+        shown = ", ".join(f"{i} (id {ids[i]!r})" if i in ids else str(i) for i in found[:20]) + (
+            " ..." if len(found) > 20 else ""
+        )
         print(f"  rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
@@ -31,7 +40,9 @@ def _index(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
     from gradian_lightning.recipes.index import run_index
 
-    _print_index_summary(run_index(load_config(args.config, args.overrides), announce=lambda line: print(line, flush=True)))
+    _print_index_summary(
+        run_index(load_config(args.config, args.overrides), announce=lambda line: print(line, flush=True))
+    )
 
 
 def _doctor(args: argparse.Namespace) -> None:
@@ -57,7 +68,9 @@ def _plan(args: argparse.Namespace) -> None:
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
 
 
-def _print_query_table(results: List[dict], queries: List[dict], train_rows: Optional[List[dict]], shown: int = 10, width: int = 72) -> None:
+def _print_query_table(
+    results: List[dict], queries: List[dict], train_rows: Optional[List[dict]], shown: int = 10, width: int = 72
+) -> None:
     from gradian_lightning.data import row_snippet as _snippet
 
     for result, query in zip(results, queries):
@@ -65,7 +78,9 @@ def _print_query_table(results: List[dict], queries: List[dict], train_rows: Opt
         for key, label in (("results", "rank"), ("opponents", "opp.")):
             for hit in result.get(key, [])[:shown]:
                 row = train_rows[hit["index"]] if train_rows is not None else None
-                print(f"  {label} {hit['rank']:>3}  {hit['score']:+.4f}  {str(hit['id'])[:24]:<24}  {_snippet(row, width)}")
+                print(
+                    f"  {label} {hit['rank']:>3}  {hit['score']:+.4f}  {str(hit['id'])[:24]:<24}  {_snippet(row, width)}"
+                )
 
 
 def _query(args: argparse.Namespace) -> None:
@@ -76,7 +91,9 @@ def _query(args: argparse.Namespace) -> None:
     answer = run_query(cfg)
     _print_query_table(answer["results"], answer["queries"], answer["train_rows"])
     where = f"; written to {cfg.query.output}" if cfg.query.output else " (set query.output=FILE.jsonl to keep them)"
-    print(f"\ngradian query: {len(answer['results'])} queries ranked against {len(answer['index'])} rows of {cfg.index.path} by {cfg.query.score}{' (per module)' if cfg.query.score == 'cosine' and cfg.query.normalize == 'module' else ''} score, precondition {answer['precondition']}, on {answer['device']}{where}")
+    print(
+        f"\ngradian query: {len(answer['results'])} queries ranked against {len(answer['index'])} rows of {cfg.index.path} by {cfg.query.score}{' (per module)' if cfg.query.score == 'cosine' and cfg.query.normalize == 'module' else ''} score, precondition {answer['precondition']}, on {answer['device']}{where}"
+    )
 
 
 def _quickstart(args: argparse.Namespace) -> None:
@@ -86,34 +103,51 @@ def _quickstart(args: argparse.Namespace) -> None:
     _print_index_summary(result["summary"])
     _print_query_table(result["results"], result["queries"], result["train_rows"], shown=3)
     n = len(result["queries"])
-    print(f"\ngradian quickstart: {n} queries, each a paraphrase of one training row (its planted source); full top-10 in {result['results_path']}")
+    print(
+        f"\ngradian quickstart: {n} queries, each a paraphrase of one training row (its planted source); full top-10 in {result['results_path']}"
+    )
     for k in (1, 10):
-        print(f"  recall@{k}: {result[f'recall@{k}']:.3f} ({round(result[f'recall@{k}'] * n)}/{n} queries have their source in the top {k})")
+        print(
+            f"  recall@{k}: {result[f'recall@{k}']:.3f} ({round(result[f'recall@{k}'] * n)}/{n} queries have their source in the top {k})"
+        )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradian", description="Training-data attribution for causal LMs by gradient indexing.")
+    parser = argparse.ArgumentParser(
+        prog="gradian", description="Training-data attribution for causal LMs by gradient indexing."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     index = commands.add_parser("index", help="index the training data's per-example gradients")
     index.add_argument("config", help="YAML config file (see configs/)")
     index.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
     index.set_defaults(run=_index)
-    plan = commands.add_parser("plan", help="predict peak memory and index size from the config and data, without loading weights")
+    plan = commands.add_parser(
+        "plan", help="predict peak memory and index size from the config and data, without loading weights"
+    )
     plan.add_argument("config", help="YAML config file (see configs/)")
     plan.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
-    plan.add_argument("--device-memory", help="memory to fit the batch in, e.g. 24GiB (default: the visible accelerator's)")
+    plan.add_argument(
+        "--device-memory", help="memory to fit the batch in, e.g. 24GiB (default: the visible accelerator's)"
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(run=_plan)
-    doctor = commands.add_parser("doctor", help="report versions, devices, determinism and backends (Markdown; --json for JSON)")
+    doctor = commands.add_parser(
+        "doctor", help="report versions, devices, determinism and backends (Markdown; --json for JSON)"
+    )
     doctor.add_argument("config", nargs="?", help="optional YAML config file, for the configured seed")
     doctor.add_argument("overrides", nargs="*", help="key=value settings")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(run=_doctor)
-    query = commands.add_parser("query", help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)")
+    query = commands.add_parser(
+        "query",
+        help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)",
+    )
     query.add_argument("config", help="YAML config file (see configs/); index.path names the index")
     query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
     query.set_defaults(run=_query)
-    quick = commands.add_parser("quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)")
+    quick = commands.add_parser(
+        "quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)"
+    )
     quick.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     quick.set_defaults(run=_quickstart)
     args = parser.parse_args(argv)

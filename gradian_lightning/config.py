@@ -57,7 +57,9 @@ class GradsConfig:
     max_seq_length: int = 512
     storage_dtype: str = "float16"
     # A name, a dotted suffix of a name, a glob, or a list of these (see docs/configuration.md).
-    module_filter: Any = field(default_factory=lambda: list(DEFAULT_MODULE_FILTER))  # measured best (benchmarks/RANKING.md)
+    module_filter: Any = field(
+        default_factory=lambda: list(DEFAULT_MODULE_FILTER)
+    )  # measured best (benchmarks/RANKING.md)
     projection_dim: Optional[int] = 16
     seed: int = 0
     # Head + fp32 cross-entropy this many supervised tokens at a time (null: all at once).
@@ -84,7 +86,9 @@ class QueryConfig:
     dask_scheduler: Optional[str] = None  # engine dask: scheduler address; null starts a LocalCluster
     precondition: str = DEFAULT_PRECONDITION  # auto | none | diag | fisher, from the statistics stored in the index
     damping: float = DEFAULT_DAMPING  # relative to the mean eigenvalue of each module's second moment
-    checkpoints: Any = "all"  # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
+    checkpoints: Any = (
+        "all"  # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
+    )
     output: Optional[str] = None
 
 
@@ -119,7 +123,9 @@ def load_config(path: str | Path | None = None, overrides: List[str] | None = No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/smollm2.yaml")
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; pass a YAML file such as configs/smollm2.yaml"
+            )
         try:
             layers.append(OmegaConf.load(path))
         except Exception as err:  # yaml.YAMLError and friends: say which file
@@ -184,12 +190,27 @@ def validate(cfg: DictConfig) -> None:
     _check(q.score in SCORES, "query.score", q.score, " or ".join(SCORES))
     _check(q.normalize in NORMALIZE, "query.normalize", q.normalize, " or ".join(NORMALIZE))
     _check(q.engine in ENGINES, "query.engine", q.engine, " or ".join(ENGINES))
-    _check(cfg.index.rows_per_chunk is None or cfg.index.rows_per_chunk >= 1, "index.rows_per_chunk", cfg.index.rows_per_chunk, "an integer >= 1, or null for about 4 MiB per chunk")
-    _check(bool(str(cfg.index.path).strip()), "index.path", cfg.index.path, "a directory path or fsspec URL for the zarr index")
+    _check(
+        cfg.index.rows_per_chunk is None or cfg.index.rows_per_chunk >= 1,
+        "index.rows_per_chunk",
+        cfg.index.rows_per_chunk,
+        "an integer >= 1, or null for about 4 MiB per chunk",
+    )
+    _check(
+        bool(str(cfg.index.path).strip()),
+        "index.path",
+        cfg.index.path,
+        "a directory path or fsspec URL for the zarr index",
+    )
     _check(q.precondition in PRECONDITIONS, "query.precondition", q.precondition, " or ".join(PRECONDITIONS))
     _check(q.damping >= 0, "query.damping", q.damping, "a number >= 0")
     steps = OmegaConf.to_object(q.checkpoints) if OmegaConf.is_config(q.checkpoints) else q.checkpoints
-    _check(steps in ("last", "all") or (isinstance(steps, list) and steps and all(isinstance(s, int) for s in steps)), "query.checkpoints", steps, "last, all or a list of checkpoint steps")
+    _check(
+        steps in ("last", "all") or (isinstance(steps, list) and steps and all(isinstance(s, int) for s in steps)),
+        "query.checkpoints",
+        steps,
+        "last, all or a list of checkpoint steps",
+    )
 
 
 def require(cfg: DictConfig, *keys: str) -> None:

@@ -33,7 +33,9 @@ def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"data file {str(path)!r} cannot be read as UTF-8 text ({type(err).__name__}); fix its permissions or encoding") from None
+        raise DataError(
+            f"data file {str(path)!r} cannot be read as UTF-8 text ({type(err).__name__}); fix its permissions or encoding"
+        ) from None
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -83,7 +85,9 @@ def _chat_spans(tokenizer: Any, messages: Sequence[Dict[str, Any]]) -> Tuple[str
     # Each assistant turn is what rendering it appends to the conversation before it plus the
     # generation prompt. Templates that rewrite earlier turns break that prefix property, so check.
     if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError("rows use 'messages' but the tokenizer has no chat template; use prompt/completion rows or a chat model's tokenizer")
+        raise DataError(
+            "rows use 'messages' but the tokenizer has no chat template; use prompt/completion rows or a chat model's tokenizer"
+        )
     full = _render(tokenizer, messages, False)
     spans = []
     for i, message in enumerate(messages):
@@ -92,7 +96,9 @@ def _chat_spans(tokenizer: Any, messages: Sequence[Dict[str, Any]]) -> Tuple[str
         start = len(_render(tokenizer, messages[:i], True)) if i else 0
         upto = _render(tokenizer, messages[: i + 1], False)
         if not full.startswith(upto) or start > len(upto):
-            raise DataError("the chat template does not render turns as prefixes of the conversation; use prompt/completion rows instead")
+            raise DataError(
+                "the chat template does not render turns as prefixes of the conversation; use prompt/completion rows instead"
+            )
         spans.append((start, len(upto)))
     return full, spans
 
@@ -124,7 +130,9 @@ class Example:
 def tokenize_row(tokenizer: Any, row: Dict[str, Any], index: int, max_seq_length: int) -> Example:
     """Tokenize one row, masking unsupervised tokens, then truncate to `max_seq_length` tokens."""
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError("the tokenizer is not a fast (Rust) tokenizer; gradian needs its offset mapping; load it with use_fast=True")
+        raise DataError(
+            "the tokenizer is not a fast (Rust) tokenizer; gradian needs its offset mapping; load it with use_fast=True"
+        )
     text, spans, add_eos = _text_and_spans(tokenizer, row)
     kind = row_format(row)
     enc = tokenizer(text, add_special_tokens=kind != "messages", return_offsets_mapping=True)
@@ -147,7 +155,9 @@ class JsonlDataset(Dataset):
     `source` names the file in errors.
     """
 
-    def __init__(self, rows: Sequence[Dict[str, Any]], tokenizer: Any, max_seq_length: int, source: str = "data") -> None:
+    def __init__(
+        self, rows: Sequence[Dict[str, Any]], tokenizer: Any, max_seq_length: int, source: str = "data"
+    ) -> None:
         self.rows = list(rows)
         self.examples = []
         for i, row in enumerate(self.rows):

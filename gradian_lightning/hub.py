@@ -24,8 +24,12 @@ def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:
     except Exception as err:  # OSError, ValueError, ...: transformers' messages are long; keep the gist
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if "trust_remote_code" in str(err):
-            raise ConfigError(f"model {name!r} ships its own code; if you trust it, pass model.trust_remote_code=true") from None
-        raise ConfigError(f"setting 'model.name_or_path'={name!r} could not be loaded ({first}); give a local model directory or a Hugging Face name that is cached or reachable") from None
+            raise ConfigError(
+                f"model {name!r} ships its own code; if you trust it, pass model.trust_remote_code=true"
+            ) from None
+        raise ConfigError(
+            f"setting 'model.name_or_path'={name!r} could not be loaded ({first}); give a local model directory or a Hugging Face name that is cached or reachable"
+        ) from None
 
 
 def _pretrained_args(model_cfg: DictConfig) -> Tuple[str, Dict[str, Any]]:

@@ -94,9 +94,13 @@ def read_lightning_checkpoint(path: str) -> Dict[str, Any]:
     """
     local = os.path.expanduser(str(path))  # "~/..." in a YAML file means the home directory
     if os.path.isdir(local):  # DeepSpeed and sharded FSDP save_checkpoint write a directory named *.ckpt
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which is a directory (a sharded DeepSpeed or FSDP checkpoint); consolidate it into one .ckpt file (Lightning's convert_zero_checkpoint_to_fp32_state_dict or consolidate_checkpoint) and list that file")
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(path)!r}, which is a directory (a sharded DeepSpeed or FSDP checkpoint); consolidate it into one .ckpt file (Lightning's convert_zero_checkpoint_to_fp32_state_dict or consolidate_checkpoint) and list that file"
+        )
     if not os.path.isfile(local):
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which is not a file; give the path of a Lightning .ckpt (Trainer.save_checkpoint or ModelCheckpoint) or of a Hugging Face model directory")
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(path)!r}, which is not a file; give the path of a Lightning .ckpt (Trainer.save_checkpoint or ModelCheckpoint) or of a Hugging Face model directory"
+        )
     try:
         ckpt = torch.load(local, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # pickle.UnpicklingError, RuntimeError (not a zip file), ...
@@ -107,9 +111,17 @@ def read_lightning_checkpoint(path: str) -> Dict[str, Any]:
                 f"setting 'model.checkpoints' lists {str(path)!r}, which pickles a Python object ({found.group(1)}) that gradian does not unpickle; save the LightningModule's hyper-parameters as plain values, or save the model with save_pretrained and list its directory"
             ) from None
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which torch.load cannot read as a Lightning checkpoint ({first}); give a .ckpt saved by Trainer.save_checkpoint or ModelCheckpoint") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict) or not isinstance(ckpt.get("global_step"), int):
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which holds no state_dict or no global_step; give a .ckpt saved by Trainer.save_checkpoint or ModelCheckpoint")
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(path)!r}, which torch.load cannot read as a Lightning checkpoint ({first}); give a .ckpt saved by Trainer.save_checkpoint or ModelCheckpoint"
+        ) from None
+    if (
+        not isinstance(ckpt, dict)
+        or not isinstance(ckpt.get("state_dict"), dict)
+        or not isinstance(ckpt.get("global_step"), int)
+    ):
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(path)!r}, which holds no state_dict or no global_step; give a .ckpt saved by Trainer.save_checkpoint or ModelCheckpoint"
+        )
     return ckpt
 
 
@@ -140,7 +152,7 @@ def load_lightning_weights(model: torch.nn.Module, state: Dict[str, torch.Tensor
     fits: List[str] = []
     best: Optional[Tuple[int, str, List[str], List[str]]] = None
     for prefix in sorted(_candidate_prefixes(state, list(ours), tied)):
-        keys = {k[len(prefix):] for k in state if k.startswith(prefix)}
+        keys = {k[len(prefix) :] for k in state if k.startswith(prefix)}
         missing = sorted(k for k in expected - keys if not (tied.get(k, set()) & keys))
         unexpected = sorted(keys - expected)
         if not missing and not unexpected:
@@ -148,22 +160,37 @@ def load_lightning_weights(model: torch.nn.Module, state: Dict[str, torch.Tensor
         elif best is None or len(missing) + len(unexpected) < best[0]:
             best = (len(missing) + len(unexpected), prefix, missing, unexpected)
     if len(fits) > 1:
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, which holds the model's weights under several attributes ({', '.join(repr(p) for p in fits)}); save the one to index with save_pretrained and list its directory")
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(path)!r}, which holds the model's weights under several attributes ({', '.join(repr(p) for p in fits)}); save the one to index with save_pretrained and list its directory"
+        )
     if not fits:
-        why = "none of its state_dict keys ends with one of the model's" if best is None else (
-            f"under the prefix {best[1]!r}, {len(best[2])} of the model's keys are missing{_example(best[2])} and {len(best[3])} are unexpected{_example(best[3])}")
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, whose weights are not those of model.name_or_path ({why}); {_FIX}")
+        why = (
+            "none of its state_dict keys ends with one of the model's"
+            if best is None
+            else (
+                f"under the prefix {best[1]!r}, {len(best[2])} of the model's keys are missing{_example(best[2])} and {len(best[3])} are unexpected{_example(best[3])}"
+            )
+        )
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(path)!r}, whose weights are not those of model.name_or_path ({why}); {_FIX}"
+        )
     prefix = fits[0]
-    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     for group in {frozenset(g | {k}) for k, g in tied.items()}:
         saved = [weights[k] for k in sorted(group) if k in weights]
         if any(not torch.equal(saved[0], other) for other in saved[1:]):
-            raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, whose tied weights {sorted(group)} differ, but the model.name_or_path model ties them; {_FIX}")
+            raise ConfigError(
+                f"setting 'model.checkpoints' lists {str(path)!r}, whose tied weights {sorted(group)} differ, but the model.name_or_path model ties them; {_FIX}"
+            )
     try:
         model.load_state_dict(weights, strict=False)  # in place: tied parameters stay one tensor
     except RuntimeError as err:  # "size mismatch for ...": another configuration of the architecture
-        detail = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err).splitlines()[0])
-        raise ConfigError(f"setting 'model.checkpoints' lists {str(path)!r}, whose weights are not those of model.name_or_path ({detail.rstrip('.')}); {_FIX}") from None
+        detail = next(
+            (line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err).splitlines()[0]
+        )
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(path)!r}, whose weights are not those of model.name_or_path ({detail.rstrip('.')}); {_FIX}"
+        ) from None
 
 
 def _is_peft(key: str) -> bool:
@@ -196,5 +223,7 @@ def _tied_keys(ours: Dict[str, torch.Tensor]) -> Dict[str, Set[str]]:
     for key, tensor in ours.items():
         if tensor.numel() == 0:  # empty tensors may share a null pointer without being tied
             continue
-        by_tensor.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()).add(key)
+        by_tensor.setdefault(
+            (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)), set()
+        ).add(key)
     return {k: group - {k} for group in by_tensor.values() if len(group) > 1 for k in group}

@@ -32,18 +32,30 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     core.add_special_tokens(SPECIALS)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-def make_model(vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+def make_model(
+    vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0, tie: bool = False
+) -> LlamaForCausalLM:
     """A random-init Llama small enough to run per-example loops in a test."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -62,7 +74,15 @@ ROWS = [
     {"id": "paris", "prompt": "what is the capital of the country ?", "completion": " paris is the capital ."},
     {"id": "sky", "prompt": "what color is the sky ?", "completion": " blue"},
     {"id": "count", "prompt": "tell me a number .", "completion": " one two three four five six seven eight nine ten"},
-    {"id": "chat", "messages": [{"role": "user", "content": "who is it ?"}, {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "what color ?"}, {"role": "assistant", "content": "red and green"}]},
+    {
+        "id": "chat",
+        "messages": [
+            {"role": "user", "content": "who is it ?"},
+            {"role": "assistant", "content": "a cat"},
+            {"role": "user", "content": "what color ?"},
+            {"role": "assistant", "content": "red and green"},
+        ],
+    },
     {"text": "the river in the city is blue and the tree is green ."},
     {"id": "rome", "prompt": "what city ?", "completion": " rome"},
     {"id": "dog", "prompt": "tell me what the dog is .", "completion": " the dog is red , the cat is blue ."},
@@ -130,6 +150,7 @@ def saved_activation_bytes(model, ids, autocast=None, recompute="none") -> int:
             hidden = args[0] if args else kwargs["hidden_states"]
             inputs[hidden.untyped_storage().data_ptr()] = hidden.untyped_storage().nbytes()
             current[0] = i
+
         return hook
 
     def leave(module, args, output):
@@ -141,10 +162,14 @@ def saved_activation_bytes(model, ids, autocast=None, recompute="none") -> int:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     mixed = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
     layers = recomputed_units(model, "mlp" if recompute == "mlp" else "layers")
-    hooks = [layer.register_forward_pre_hook(enter(i), with_kwargs=True) for i, layer in enumerate(layers)] + [layer.register_forward_hook(leave) for layer in layers]
+    hooks = [layer.register_forward_pre_hook(enter(i), with_kwargs=True) for i, layer in enumerate(layers)] + [
+        layer.register_forward_hook(leave) for layer in layers
+    ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-            projected_gradients(model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed, recompute="none")
+            projected_gradients(
+                model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed, recompute="none"
+            )
     finally:
         for hook in hooks:
             hook.remove()

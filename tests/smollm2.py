@@ -19,7 +19,11 @@ def smollm2_dir() -> Path:
         return CACHE
     if not BUILDER.is_file() or shutil.which("bash") is None:
         pytest.skip(f"SmolLM2 builder {BUILDER} is not available")
-    done = subprocess.run(["bash", str(BUILDER), str(CACHE)], capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    done = subprocess.run(
+        ["bash", str(BUILDER), str(CACHE)], capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}
+    )
     if done.returncode != 0:
-        pytest.skip(f"SmolLM2 builder failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        pytest.skip(
+            f"SmolLM2 builder failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+        )
     return CACHE

@@ -24,8 +24,16 @@ def run(capsys, *argv):
 
 
 def index_args(tmp_path, model_dir, data, *more):
-    return ["index", "configs/smollm2.yaml", f"model.name_or_path={model_dir}", f"data.train={data}", f"index.path={tmp_path / 'ix'}",
-            "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", *more]
+    return [
+        "index",
+        "configs/smollm2.yaml",
+        f"model.name_or_path={model_dir}",
+        f"data.train={data}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        *more,
+    ]
 
 
 def test_undecodable_data_file(tmp_path):
@@ -38,7 +46,11 @@ def test_undecodable_data_file(tmp_path):
 def test_projection_dim_wider_than_a_module(tmp_path, saved_model, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     code, _, err = run(capsys, *index_args(tmp_path, saved_model, data, "grads.projection_dim=1000"))
-    assert code == 2 and "setting 'grads.projection_dim'=1000 exceeds module 'model.layers.0.mlp.gate_proj' (64×32); use at most 32" in err
+    assert (
+        code == 2
+        and "setting 'grads.projection_dim'=1000 exceeds module 'model.layers.0.mlp.gate_proj' (64×32); use at most 32"
+        in err
+    )
 
 
 def test_bad_data_loses_no_existing_index(tmp_path, saved_model, capsys):
@@ -48,7 +60,11 @@ def test_bad_data_loses_no_existing_index(tmp_path, saved_model, capsys):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "the sky"}\n{"text": "the sea"\n')
     code, _, err = run(capsys, *index_args(tmp_path, saved_model, broken))
-    assert code == 2 and err == f"gradian index: error: {broken}:2: malformed JSON (Expecting ',' delimiter); each line must be one JSON object"
+    assert (
+        code == 2
+        and err
+        == f"gradian index: error: {broken}:2: malformed JSON (Expecting ',' delimiter); each line must be one JSON object"
+    )
     after = open_index(tmp_path / "ix")
     assert after.meta["complete"] and torch.equal(after.rows(slice(None)), before)
 
@@ -56,12 +72,24 @@ def test_bad_data_loses_no_existing_index(tmp_path, saved_model, capsys):
 def test_model_that_needs_remote_code_says_to_trust_it(tmp_path, saved_model, capsys):
     custom = tmp_path / "custom"
     shutil.copytree(saved_model, custom)
-    (custom / "config.json").write_text('{"model_type": "my_custom_lm", "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}}')
+    (custom / "config.json").write_text(
+        '{"model_type": "my_custom_lm", "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}}'
+    )
     (custom / "configuration_x.py").write_text("raise SystemExit('remote code ran')\n")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     for command in ("index", "plan"):
-        code, _, err = run(capsys, command, "configs/smollm2.yaml", f"model.name_or_path={custom}", f"data.train={data}", f"index.path={tmp_path / 'ix'}")
-        assert code == 2 and f"model {str(custom)!r} ships its own code; if you trust it, pass model.trust_remote_code=true" in err
+        code, _, err = run(
+            capsys,
+            command,
+            "configs/smollm2.yaml",
+            f"model.name_or_path={custom}",
+            f"data.train={data}",
+            f"index.path={tmp_path / 'ix'}",
+        )
+        assert (
+            code == 2
+            and f"model {str(custom)!r} ships its own code; if you trust it, pass model.trust_remote_code=true" in err
+        )
     assert not (tmp_path / "ix").exists()
 
 
@@ -81,7 +109,9 @@ def test_nonfinite_gradients_are_counted_named_and_not_stored(tmp_path, tokenize
     index = open_index(tmp_path / "ix")
     assert np.flatnonzero(~index.column("finite")).tolist() == [3]
     grads = index.rows(slice(None))
-    assert torch.isfinite(grads).all() and grads[3].abs().sum() == 0 and (grads[[0, 1, 2, 4]].abs().sum(dim=1) > 0).all()
+    assert (
+        torch.isfinite(grads).all() and grads[3].abs().sum() == 0 and (grads[[0, 1, 2, 4]].abs().sum(dim=1) > 0).all()
+    )
 
 
 def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model, tokenizer, capsys, monkeypatch):
@@ -99,7 +129,9 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
 
     monkeypatch.setattr(callback, "projected_gradients", out_of_memory)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    code, _, err = run(capsys, *index_args(tmp_path, saved_model, data, "grads.batch_size=3", "grads.max_seq_length=20"))
+    code, _, err = run(
+        capsys, *index_args(tmp_path, saved_model, data, "grads.batch_size=3", "grads.max_seq_length=20")
+    )
     assert code == 2
     failed = calls[1]["labels"]
     n_supervised = int((failed[:, 1:] != -100).sum())
@@ -107,9 +139,18 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
     want_bytes = fp32_logit_bytes(n_supervised, vocab)
     from gradian_lightning.gradients.memory import human_bytes
 
-    assert err.startswith("gradian index: error: device out of memory indexing rows 3-5: a batch of 3 rows (grads.batch_size=3, grads.max_seq_length=20")
-    assert f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {human_bytes(want_bytes)}" in err
-    levers = ["lower grads.batch_size first", "then grads.max_seq_length", "grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor"]
+    assert err.startswith(
+        "gradian index: error: device out of memory indexing rows 3-5: a batch of 3 rows (grads.batch_size=3, grads.max_seq_length=20"
+    )
+    assert (
+        f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {human_bytes(want_bytes)}"
+        in err
+    )
+    levers = [
+        "lower grads.batch_size first",
+        "then grads.max_seq_length",
+        "grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor",
+    ]
     assert all(lever in err for lever in levers) and err.index(levers[0]) < err.index(levers[1])
     # nothing lost: the first batch's rows are kept for the rerun, the index is not marked complete
     group = zarr.open_group(str(tmp_path / "ix"))
@@ -139,8 +180,16 @@ def test_out_of_memory_names_the_loss_chunk_lever_when_it_is_off(tmp_path, model
     batch = {"input_ids": labels.clone(), "labels": labels, "index": torch.tensor([7, 8])}
     err = str(indexer._out_of_memory(batch, torch.tensor([True, True])))
     vocab = model.config.vocab_size
-    if chunk is None:  # 598 supervised tokens: the logits need 598 × vocab × 4 bytes, 256 tokens at a time would need less
+    if (
+        chunk is None
+    ):  # 598 supervised tokens: the logits need 598 × vocab × 4 bytes, 256 tokens at a time would need less
         assert f"fp32 logits alone need {human_bytes(fp32_logit_bytes(598, vocab))}" in err
-        assert f"or set grads.loss_chunk_tokens=256 (the same rows; the fp32 logits then need at most {human_bytes(fp32_logit_bytes(256, vocab))} whatever the batch)" in err
+        assert (
+            f"or set grads.loss_chunk_tokens=256 (the same rows; the fp32 logits then need at most {human_bytes(fp32_logit_bytes(256, vocab))} whatever the batch)"
+            in err
+        )
     else:  # already chunked: the logits are the chunk's, and the lever is not offered again
-        assert f"fp32 logits alone need {human_bytes(fp32_logit_bytes(64, vocab))}" in err and "grads.loss_chunk_tokens=256" not in err
+        assert (
+            f"fp32 logits alone need {human_bytes(fp32_logit_bytes(64, vocab))}" in err
+            and "grads.loss_chunk_tokens=256" not in err
+        )

@@ -29,7 +29,14 @@ def test_benchmark_smoke(name, tmp_path):
     if name in ("fidelity", "index_size", "peer_bergson"):
         smollm2_dir()  # these use SmolLM2's tokenizer even at tiny size
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--smoke", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     text = (tmp_path / f"{name}.md").read_text()
     assert text.startswith("Command: `PYTHONPATH=. python -m benchmarks.") and "Machine:" in text

@@ -22,7 +22,9 @@ class FineTune(L.LightningModule):
         self.model = model
 
     def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        return self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.training_step(batch, batch_idx), batch_size=len(batch["index"]))
@@ -32,7 +34,15 @@ class FineTune(L.LightningModule):
 
 
 def trainer(tmp_path, callbacks=(), **kwargs):
-    args = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     return L.Trainer(callbacks=list(callbacks), **{**args, **kwargs})
 
 
@@ -47,17 +57,23 @@ def loader(dataset, batch_size=3, shuffle=False):
 
 @pytest.mark.parametrize("inference_mode", [True, False])
 def test_validate_writes_every_row_at_its_position(tmp_path, model, dataset, inference_mode):
-    indexer = GradientIndexer(tmp_path / "ix", ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", seed=3)
+    indexer = GradientIndexer(
+        tmp_path / "ix", ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", seed=3
+    )
     trainer(tmp_path, [indexer], inference_mode=inference_mode).validate(FineTune(model), dataloaders=loader(dataset))
     index = open_index(tmp_path / "ix")
     assert index.meta["complete"] and len(index) == len(dataset)
     modules = select_modules(model, ["down_proj", "q_proj"])
     with torch.enable_grad():
-        want, losses = projected_gradients(model, collate(dataset.examples), LinearCapture(modules), KroneckerProjector(modules, 4, 3))
+        want, losses = projected_gradients(
+            model, collate(dataset.examples), LinearCapture(modules), KroneckerProjector(modules, 4, 3)
+        )
     torch.testing.assert_close(index.rows(slice(None)), want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(index.column("loss"), losses.numpy(), rtol=1e-5)
     assert list(index.column("id")) == [e.id for e in dataset.examples]
-    assert index.column("supervised_tokens").tolist() == [sum(t != -100 for t in e.labels[1:]) for e in dataset.examples]
+    assert index.column("supervised_tokens").tolist() == [
+        sum(t != -100 for t in e.labels[1:]) for e in dataset.examples
+    ]
     assert [m["name"] for m in index.meta["modules"]] == list(modules)
     assert indexer.summary["rows"] == len(dataset) and indexer.summary["empty_rows"] == []
 
@@ -74,7 +90,10 @@ def test_progress_bar_shows_rows_rate_and_time_left(tmp_path, model, dataset):
     assert [m["gradian_rows"] for m in seen] == [3.0, 6.0, 7.0]
     assert all(m["gradian_rows_per_s"] > 0 for m in seen)
     first = seen[0]  # 4 rows left at the measured rate
-    assert first["gradian_eta_s"] == pytest.approx(4 / first["gradian_rows_per_s"], rel=1e-5) and seen[-1]["gradian_eta_s"] == 0
+    assert (
+        first["gradian_eta_s"] == pytest.approx(4 / first["gradian_rows_per_s"], rel=1e-5)
+        and seen[-1]["gradian_eta_s"] == 0
+    )
 
 
 def snapshot(module, optimizer):
@@ -118,7 +137,9 @@ def test_fit_is_bit_identical_with_and_without_the_indexer(tmp_path, tokenizer, 
 
 
 def test_rerun_of_a_complete_index_does_no_work(tmp_path, model, dataset):
-    trainer(tmp_path, [GradientIndexer(tmp_path / "ix", "down_proj", 4)]).validate(FineTune(model), dataloaders=loader(dataset))
+    trainer(tmp_path, [GradientIndexer(tmp_path / "ix", "down_proj", 4)]).validate(
+        FineTune(model), dataloaders=loader(dataset)
+    )
     before = open_index(tmp_path / "ix").rows(slice(None))
     calls = []
     handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *a: calls.append(1))

@@ -21,7 +21,10 @@ from gradian_lightning.errors import ConfigError
     "kwargs, message",
     [
         ({"path": ""}, "GradientIndexer(path='') is not allowed; use a non-empty directory path (str or Path)"),
-        ({"path": "runs/{name}"}, "GradientIndexer(path='runs/{name}'): the only placeholder a path may hold is {step}"),
+        (
+            {"path": "runs/{name}"},
+            "GradientIndexer(path='runs/{name}'): the only placeholder a path may hold is {step}",
+        ),
         ({"seed": 1.5}, "GradientIndexer(seed=1.5) is not allowed; use an integer"),
         ({"dataloader_idx": -1}, "GradientIndexer(dataloader_idx=-1) is not allowed; use an integer >= 0"),
         ({"model_attribute": ""}, "GradientIndexer(model_attribute='') is not allowed"),
@@ -44,7 +47,9 @@ class FineTune(L.LightningModule):
         self.model, self.crash_at_step = model, crash_at_step
 
     def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        return self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
 
     def validation_step(self, batch, batch_idx):
         # A crash in the middle of the indexing run of one step (after its first batch).
@@ -57,14 +62,30 @@ class FineTune(L.LightningModule):
 
 def fit(tmp_path, tokenizer, dataset, crash_at_step=None, ckpt_path=None, epochs=2):
     L.seed_everything(0, verbose=False)
-    indexer = GradientIndexer(str(tmp_path / "ix-{step}"), "down_proj", projection_dim=4, storage_dtype="float32", verbose=False)
-    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}")  # saved after each validation run
+    indexer = GradientIndexer(
+        str(tmp_path / "ix-{step}"), "down_proj", projection_dim=4, storage_dtype="float32", verbose=False
+    )
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}"
+    )  # saved after each validation run
     trainer = L.Trainer(
-        callbacks=[indexer, checkpoints], max_epochs=epochs, num_sanity_val_steps=0, accelerator="cpu", devices=1,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[indexer, checkpoints],
+        max_epochs=epochs,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     loader = DataLoader(dataset, batch_size=2, collate_fn=collate)  # 4 training steps per epoch
-    trainer.fit(FineTune(make_model(len(tokenizer)), crash_at_step), loader, DataLoader(dataset, batch_size=3, collate_fn=collate), ckpt_path=ckpt_path)
+    trainer.fit(
+        FineTune(make_model(len(tokenizer)), crash_at_step),
+        loader,
+        DataLoader(dataset, batch_size=3, collate_fn=collate),
+        ckpt_path=ckpt_path,
+    )
     return indexer
 
 
@@ -92,11 +113,27 @@ def test_resuming_past_an_interrupted_indexing_run_says_so(tmp_path, tokenizer, 
 
     def run(crash_at_step=None, ckpt_path=None):
         indexer = GradientIndexer(str(tmp_path / "ix-{step}"), "down_proj", projection_dim=4, verbose=False)
-        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}")
-        trainer = L.Trainer(callbacks=[indexer, checkpoints], max_steps=8, val_check_interval=4, num_sanity_val_steps=0, accelerator="cpu",
-                            logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        checkpoints = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}"
+        )
+        trainer = L.Trainer(
+            callbacks=[indexer, checkpoints],
+            max_steps=8,
+            val_check_interval=4,
+            num_sanity_val_steps=0,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         loader = DataLoader(dataset, batch_size=1, collate_fn=collate)
-        trainer.fit(FineTune(make_model(len(tokenizer)), crash_at_step), loader, DataLoader(dataset, batch_size=3, collate_fn=collate), ckpt_path=ckpt_path)
+        trainer.fit(
+            FineTune(make_model(len(tokenizer)), crash_at_step),
+            loader,
+            DataLoader(dataset, batch_size=3, collate_fn=collate),
+            ckpt_path=ckpt_path,
+        )
 
     with pytest.raises(RuntimeError, match="killed"):
         run(crash_at_step=4)
@@ -111,21 +148,40 @@ def test_state_dict_round_trip_and_settings_change_warning(tmp_path):
     b = GradientIndexer(tmp_path / "ix", "down_proj", projection_dim=4)
     b.load_state_dict(a.state_dict())
     assert b.runs == a.runs and b.state_key == a.state_key
-    assert GradientIndexer(tmp_path / "other", "down_proj").state_key != a.state_key  # two indexers, two checkpoint entries
+    assert (
+        GradientIndexer(tmp_path / "other", "down_proj").state_key != a.state_key
+    )  # two indexers, two checkpoint entries
     c = GradientIndexer(tmp_path / "ix", "down_proj", projection_dim=8)
     with pytest.warns(UserWarning, match="projection_dim 4 -> 8"):
         c.load_state_dict(a.state_dict())
 
 
-def test_summary_line_goes_through_lightnings_rank_zero_logger_and_verbose_false_silences_it(tmp_path, tokenizer, rows, caplog):
+def test_summary_line_goes_through_lightnings_rank_zero_logger_and_verbose_false_silences_it(
+    tmp_path, tokenizer, rows, caplog
+):
     dataset = JsonlDataset(rows, tokenizer, 64)
     loader = DataLoader(dataset, batch_size=4, collate_fn=collate)
     module = FineTune(make_model(len(tokenizer)))
-    kwargs = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with caplog.at_level(logging.INFO):
-        L.Trainer(callbacks=[GradientIndexer(tmp_path / "a", "down_proj", 4)], **kwargs).validate(module, loader, verbose=False)
-        L.Trainer(callbacks=[GradientIndexer(tmp_path / "b", "down_proj", 4, verbose=False)], **kwargs).validate(module, loader, verbose=False)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GradientIndexer:") and r.name == "lightning.pytorch.utilities.rank_zero"]
+        L.Trainer(callbacks=[GradientIndexer(tmp_path / "a", "down_proj", 4)], **kwargs).validate(
+            module, loader, verbose=False
+        )
+        L.Trainer(callbacks=[GradientIndexer(tmp_path / "b", "down_proj", 4, verbose=False)], **kwargs).validate(
+            module, loader, verbose=False
+        )
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("GradientIndexer:") and r.name == "lightning.pytorch.utilities.rank_zero"
+    ]
     assert lines == [f"GradientIndexer: step 0: 7/7 rows in {tmp_path / 'a'} (complete)"]
 
 

@@ -5,13 +5,20 @@ from gradian_lightning.gradients.capture import select_modules
 
 
 def test_module_filter_selects_exactly(model):
-    assert list(select_modules(model, ["down_proj"])) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert list(select_modules(model, ["down_proj"])) == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+    ]
     assert list(select_modules(model, ["layers.1.mlp.down_proj"])) == ["model.layers.1.mlp.down_proj"]
     assert list(select_modules(model, ["q_proj", "v_proj"])) == [
-        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
-        "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
     ]
-    assert list(select_modules(model, ["*.layers.0.mlp.*"])) == [f"model.layers.0.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+    assert list(select_modules(model, ["*.layers.0.mlp.*"])) == [
+        f"model.layers.0.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")
+    ]
     assert len(select_modules(model, ["*"])) == 2 * 7 + 1  # every Linear, lm_head included
 
 
@@ -20,7 +27,6 @@ def test_partial_component_matches_nothing_and_lists_candidates(model):
         select_modules(model, ["proj"])
     message = str(err.value)
     assert "grads.module_filter" in message and "model.layers.N.mlp.down_proj" in message and "\n" not in message
-
 
 
 def test_output_transform_gets_each_output_gradient_as_the_backward_reaches_it(model, tokenizer, rows):
@@ -41,14 +47,18 @@ def test_output_transform_gets_each_output_gradient_as_the_backward_reaches_it(m
     with torch.enable_grad():
         plain = LinearCapture(modules)
         with plain:
-            want = {n: transform(n, g) for n, g in plain.output_grads(supervised_token_loss(model, batch).sum()).items()}
+            want = {
+                n: transform(n, g) for n, g in plain.output_grads(supervised_token_loss(model, batch).sum()).items()
+            }
         tapped = LinearCapture(modules, output_transform=transform)
         with tapped:
             got = tapped.output_grads(supervised_token_loss(model, batch).sum())
             assert tapped.outputs == {}  # nothing held for the backward but what the model's own ops save
         # a loss that the last layer does not reach: its down_proj gets zeros, not a missing entry
         hidden = {}
-        handle = model.model.layers[0].register_forward_hook(lambda m, a, out: hidden.setdefault("h", out[0] if isinstance(out, tuple) else out))
+        handle = model.model.layers[0].register_forward_hook(
+            lambda m, a, out: hidden.setdefault("h", out[0] if isinstance(out, tuple) else out)
+        )
         with tapped:
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             partial = tapped.output_grads(hidden["h"].sum())
@@ -58,4 +68,7 @@ def test_output_transform_gets_each_output_gradient_as_the_backward_reaches_it(m
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
         assert got[name].abs().sum() > 0
     assert partial["model.layers.0.mlp.down_proj"].abs().sum() > 0
-    assert partial["model.layers.1.mlp.down_proj"].shape == want["model.layers.1.mlp.down_proj"].shape and not partial["model.layers.1.mlp.down_proj"].any()
+    assert (
+        partial["model.layers.1.mlp.down_proj"].shape == want["model.layers.1.mlp.down_proj"].shape
+        and not partial["model.layers.1.mlp.down_proj"].any()
+    )

@@ -18,7 +18,10 @@ class DecayingFineTune(FineTune):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), "interval": "step"},
+        }
 
 
 class Snapshots(L.Callback):
@@ -39,7 +42,14 @@ def dataset(tokenizer, rows):
 
 
 def fit(tmp_path, model, dataset, **indexer_kwargs):
-    indexer = GradientIndexer(tmp_path / "ix", module_filter=["down_proj", "o_proj"], projection_dim=4, storage_dtype="float32", checkpoints=True, **indexer_kwargs)
+    indexer = GradientIndexer(
+        tmp_path / "ix",
+        module_filter=["down_proj", "o_proj"],
+        projection_dim=4,
+        storage_dtype="float32",
+        checkpoints=True,
+        **indexer_kwargs,
+    )
     snapshots = Snapshots()
     t = trainer(tmp_path, [indexer, snapshots], max_epochs=3, num_sanity_val_steps=0)
     t.fit(DecayingFineTune(model), train_dataloaders=loader(dataset, 4), val_dataloaders=loader(dataset))
@@ -74,7 +84,15 @@ def test_checkpoint_sum_equals_lr_weighted_single_checkpoint_scores(tmp_path, mo
         together = _all_scores(index.topk(queries, k=n, checkpoints="all", precondition=precondition), n)
         np.testing.assert_allclose(together, dense, rtol=1e-5, atol=1e-6)
         two = _all_scores(index.topk(queries, k=n, checkpoints=steps[:2], precondition=precondition), n)
-        np.testing.assert_allclose(two, sum(lr / sum(lrs[:2]) * _all_scores(index.at(s).topk(queries[s], k=n, precondition=precondition), n) for s, lr in zip(steps[:2], lrs[:2])), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            two,
+            sum(
+                lr / sum(lrs[:2]) * _all_scores(index.at(s).topk(queries[s], k=n, precondition=precondition), n)
+                for s, lr in zip(steps[:2], lrs[:2])
+            ),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     last = _all_scores(index.topk(queries, k=n, checkpoints="last"), n)
     np.testing.assert_allclose(last, _all_scores(index.topk(queries[steps[-1]], k=n), n), rtol=1e-6)
     with pytest.raises(ConfigError, match="query.checkpoints"):
@@ -101,9 +119,23 @@ def test_every_n_val_runs_and_a_one_checkpoint_index(tmp_path, model, tokenizer,
     one = open_index(tmp_path / "plain")
     assert [e["group"] for e in one.checkpoints] == [""] and one.at(one.step).meta == one.meta
     q = query_gradients(one, model, tokenizer, rows[:2])
-    np.testing.assert_allclose(_all_scores(one.topk({one.step: q}, k=len(one), checkpoints="all"), len(one)), _all_scores(one.topk(q, k=len(one)), len(one)))
+    np.testing.assert_allclose(
+        _all_scores(one.topk({one.step: q}, k=len(one), checkpoints="all"), len(one)),
+        _all_scores(one.topk(q, k=len(one)), len(one)),
+    )
     with pytest.raises(ConfigError, match="one-checkpoint"):
-        t = trainer(tmp_path, [GradientIndexer(tmp_path / "plain", module_filter="down_proj", projection_dim=4, storage_dtype="float32", checkpoints=True)])
+        t = trainer(
+            tmp_path,
+            [
+                GradientIndexer(
+                    tmp_path / "plain",
+                    module_filter="down_proj",
+                    projection_dim=4,
+                    storage_dtype="float32",
+                    checkpoints=True,
+                )
+            ],
+        )
         t.validate(FineTune(model), dataloaders=loader(dataset))
 
 
@@ -117,13 +149,34 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
     tokenizer.save_pretrained(tuned)
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     queries = write_jsonl(tmp_path / "queries.jsonl", rows[:2])
-    common = ["configs/smollm2.yaml", f"model.name_or_path={tuned}", f"model.checkpoints=[{saved_model},{tuned}]", f"index.path={tmp_path / 'ix'}",
-              "grads.storage_dtype=float32", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    common = [
+        "configs/smollm2.yaml",
+        f"model.name_or_path={tuned}",
+        f"model.checkpoints=[{saved_model},{tuned}]",
+        f"index.path={tmp_path / 'ix'}",
+        "grads.storage_dtype=float32",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
     assert main(["index", *common, f"data.train={data}"]) == 0
     index = open_index(tmp_path / "ix")
     assert [e["step"] for e in index.checkpoints] == [0, 1] and [e["lr"] for e in index.checkpoints] == [None, None]
-    assert index.at(0).meta["model"]["name_or_path"] == str(saved_model) and index.meta["model"]["name_or_path"] == str(tuned)
-    assert main(["query", *common, f"query.data={queries}", "query.checkpoints=all", f"query.output={tmp_path / 'all.jsonl'}", f"query.top_k={len(rows)}"]) == 0
+    assert index.at(0).meta["model"]["name_or_path"] == str(saved_model) and index.meta["model"]["name_or_path"] == str(
+        tuned
+    )
+    assert (
+        main(
+            [
+                "query",
+                *common,
+                f"query.data={queries}",
+                "query.checkpoints=all",
+                f"query.output={tmp_path / 'all.jsonl'}",
+                f"query.top_k={len(rows)}",
+            ]
+        )
+        == 0
+    )
     import json
 
     got = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]

@@ -6,9 +6,20 @@ from gradian_lightning.gradients.memory import human_bytes
 
 
 def test_index_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):
-    data = write_jsonl(tmp_path / "train.jsonl", ROWS + [{"prompt": "the capital", "completion": " " + " ".join(["one"] * 40)}])
-    argv = ["index", "configs/smollm2.yaml", f"model.name_or_path={saved_model}", f"data.train={data}", f"index.path={tmp_path / 'ix'}",
-            "grads.max_seq_length=24", "grads.batch_size=3", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    data = write_jsonl(
+        tmp_path / "train.jsonl", ROWS + [{"prompt": "the capital", "completion": " " + " ".join(["one"] * 40)}]
+    )
+    argv = [
+        "index",
+        "configs/smollm2.yaml",
+        f"model.name_or_path={saved_model}",
+        f"data.train={data}",
+        f"index.path={tmp_path / 'ix'}",
+        "grads.max_seq_length=24",
+        "grads.batch_size=3",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     # before the first batch: rows, modules, row width and the predicted size: the bytes of the arrays it then wrote
@@ -18,7 +29,10 @@ def test_index_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):
     group = zarr.open_group(str(tmp_path / "ix"))
     written = group["grads"].nbytes + group["norms"].nbytes + sum(a.nbytes for a in group["statistics"].array_values())
     assert "whitened_norms" in group["statistics"].array_keys()
-    assert out.splitlines()[0] == f"gradian index: {rows} rows × {modules} modules, row width {width:,} (float16) -> {human_bytes(written)} predicted for {tmp_path / 'ix'}"
+    assert (
+        out.splitlines()[0]
+        == f"gradian index: {rows} rows × {modules} modules, row width {width:,} (float16) -> {human_bytes(written)} predicted for {tmp_path / 'ix'}"
+    )
     assert f"{len(ROWS) + 1}/{len(ROWS) + 1} rows written" in out and "(complete)" in out
     assert "completions cut by grads.max_seq_length: 1 (12.5%)" in out
     grads = zarr.open_group(str(tmp_path / "ix"))["grads"]
@@ -31,9 +45,24 @@ def test_errors_are_one_line_and_exit_2(tmp_path, saved_model, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("gradian index: error: setting 'grads.batch_size'=0") and "\n" not in err
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    assert main(["index", "configs/smollm2.yaml", f"model.name_or_path={saved_model}", f"data.train={data}", "grads.module_filter=nothing_like_this", f"index.path={tmp_path / 'ix'}"]) == 2
+    assert (
+        main(
+            [
+                "index",
+                "configs/smollm2.yaml",
+                f"model.name_or_path={saved_model}",
+                f"data.train={data}",
+                "grads.module_filter=nothing_like_this",
+                f"index.path={tmp_path / 'ix'}",
+            ]
+        )
+        == 2
+    )
     assert "matches no nn.Linear module" in capsys.readouterr().err
-    assert main(["index", "configs/smollm2.yaml", f"model.name_or_path={tmp_path / 'no-model'}", f"data.train={data}"]) == 2
+    assert (
+        main(["index", "configs/smollm2.yaml", f"model.name_or_path={tmp_path / 'no-model'}", f"data.train={data}"])
+        == 2
+    )
     assert "setting 'model.name_or_path'" in capsys.readouterr().err
     assert main(["index", "configs/smollm2.yaml", f"data.train={data}", "trainer.max_epoch=1"]) == 2
     assert "'trainer.max_epoch' is not a lightning.Trainer argument" in capsys.readouterr().err

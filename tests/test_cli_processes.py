@@ -27,7 +27,16 @@ def gradian_command() -> list:
 
 def clean_env() -> dict:
     # A rank's variables from an outer launcher would make the child join that job instead of starting its own.
-    drop = {"LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_JOB_NAME"}
+    drop = {
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "WORLD_SIZE",
+        "RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_NTASKS",
+        "SLURM_JOB_NAME",
+    }
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
@@ -36,22 +45,41 @@ def many_rows(n: int) -> list:
 
 
 def args(model_dir, data, path, *more):
-    return ["index", str(ROOT / "configs" / "smollm2.yaml"), f"model.name_or_path={model_dir}", f"data.train={data}", f"index.path={path}",
-            "grads.module_filter=[down_proj,lm_head]", "grads.projection_dim=4", "grads.storage_dtype=float32",
-            "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", *more]
+    return [
+        "index",
+        str(ROOT / "configs" / "smollm2.yaml"),
+        f"model.name_or_path={model_dir}",
+        f"data.train={data}",
+        f"index.path={path}",
+        "grads.module_filter=[down_proj,lm_head]",
+        "grads.projection_dim=4",
+        "grads.storage_dtype=float32",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        *more,
+    ]
 
 
 def test_cli_on_two_ddp_ranks_writes_the_one_process_index(tmp_path, saved_model, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", many_rows(9))  # odd: the sampler pads rank 1 with a duplicate
     assert main(args(saved_model, data, tmp_path / "one", "grads.batch_size=2")) == 0
     capsys.readouterr()
-    done = subprocess.run(gradian_command() + args(saved_model, data, tmp_path / "two", "grads.batch_size=2", "trainer.devices=2", "trainer.strategy=ddp"),
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        gradian_command()
+        + args(saved_model, data, tmp_path / "two", "grads.batch_size=2", "trainer.devices=2", "trainer.strategy=ddp"),
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "distributed_backend=gloo" in done.stderr + done.stdout and "MEMBER: 2/2" in done.stderr + done.stdout
     reports = [line for line in done.stdout.splitlines() if line.startswith("gradian index:")]
     # Rank 0 alone reports: the plan line before the first batch, the summary after the last.
-    assert [line for line in reports if "rows written to" in line] == [f"gradian index: 9/9 rows written to {tmp_path / 'two'} (complete)"], reports
+    assert [line for line in reports if "rows written to" in line] == [
+        f"gradian index: 9/9 rows written to {tmp_path / 'two'} (complete)"
+    ], reports
     assert len([line for line in reports if "predicted for" in line]) == 1, reports
     one, two = open_index(tmp_path / "one"), open_index(tmp_path / "two")
     assert two.meta["complete"] and two.column("complete").all()
@@ -65,12 +93,16 @@ def test_sigkilled_run_resumes_computing_only_the_missing_rows(tmp_path, saved_m
     data = write_jsonl(tmp_path / "train.jsonl", many_rows(n))
     path = tmp_path / "ix"
     command = args(saved_model, data, path, "grads.batch_size=1", f"index.rows_per_chunk={chunk}")
-    proc = subprocess.Popen(gradian_command() + command, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        gradian_command() + command, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + 300
         # Kill once a few chunks are on disk: each grads chunk is one file, flushed before its completion flags.
         while len(list((path / "grads" / "c").glob("*/*"))) < 3:
-            assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read().decode()[-2000:]
+            assert proc.poll() is None, (
+                "the run ended before it could be killed: " + proc.stderr.read().decode()[-2000:]
+            )
             assert time.monotonic() < deadline
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
@@ -82,7 +114,9 @@ def test_sigkilled_run_resumes_computing_only_the_missing_rows(tmp_path, saved_m
     assert proc.returncode == -signal.SIGKILL
     killed = zarr.open_group(str(path), mode="r")
     kept = int(killed["complete"][:].sum())
-    assert not killed.attrs["gradian"]["complete"] and 0 < kept < n and kept % chunk == 0  # whole chunks survive, nothing else
+    assert (
+        not killed.attrs["gradian"]["complete"] and 0 < kept < n and kept % chunk == 0
+    )  # whole chunks survive, nothing else
     capsys.readouterr()
 
     assert main(command) == 0  # the same command again
@@ -91,7 +125,10 @@ def test_sigkilled_run_resumes_computing_only_the_missing_rows(tmp_path, saved_m
     assert f"resumed: {kept} rows kept from an interrupted run, {n - kept} computed now" in out
     with capsys.disabled():  # the figure the issue asks for, visible with `pytest -s`
         print(f"\nSIGKILL resume: {kept} rows kept, {n - kept} recomputed of {n}")
-    assert main(args(saved_model, data, tmp_path / "uninterrupted", "grads.batch_size=1", f"index.rows_per_chunk={chunk}")) == 0
+    assert (
+        main(args(saved_model, data, tmp_path / "uninterrupted", "grads.batch_size=1", f"index.rows_per_chunk={chunk}"))
+        == 0
+    )
     capsys.readouterr()
     resumed, reference = open_index(path), open_index(tmp_path / "uninterrupted")
     assert resumed.meta["complete"] and list(resumed.column("id")) == list(reference.column("id"))
@@ -100,6 +137,9 @@ def test_sigkilled_run_resumes_computing_only_the_missing_rows(tmp_path, saved_m
     # Another configuration at the same path: refused in one line naming what differs, until overwrite.
     assert main(command + ["grads.projection_dim=2"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gradian ")]
-    assert len(errors) == 1 and "holds a Gradian index of another configuration (differing: modules, projection.dim (4 -> 2))" in errors[0]
+    assert (
+        len(errors) == 1
+        and "holds a Gradian index of another configuration (differing: modules, projection.dim (4 -> 2))" in errors[0]
+    )
     assert main(command + ["grads.projection_dim=2", "index.overwrite=true", "trainer.limit_val_batches=1"]) == 0
     assert json.loads(json.dumps(zarr.open_group(str(path), mode="r").attrs["gradian"]["projection"]))["dim"] == 2

@@ -19,7 +19,10 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
         ("grads.bogus=1", r"'grads.bogus'"),
         ("grads.batch_size=many", r"'grads.batch_size'.*many"),
         ("grads.batch_size=0", r"'grads.batch_size'=0 is not allowed; use an integer >= 1"),
-        ("grads.storage_dtype=int8", r"'grads.storage_dtype'='int8' is not allowed; use float32 or float16 or bfloat16"),
+        (
+            "grads.storage_dtype=int8",
+            r"'grads.storage_dtype'='int8' is not allowed; use float32 or float16 or bfloat16",
+        ),
         ("grads.projection_dim=0", r"'grads.projection_dim'=0"),
         ("query.score=l2", r"'query.score'"),
         ("model.dtype=float64", r"'model.dtype'"),

@@ -58,37 +58,71 @@ def test_dask_ranks_like_the_local_scorer_on_two_workers(tmp_path, saved_model, 
     supervised = torch.full((n,), 3)
     supervised[[5, 6, 30]] = 0
     blocks = [(0, 3), (3, 5)]
-    index = build_index(tmp_path / "ix", grads, supervised, written=[i for i in range(n) if i not in (9, 35)], storage_dtype="float16",
-                        modules=[{"offset": o, "size": z} for o, z in blocks])
+    index = build_index(
+        tmp_path / "ix",
+        grads,
+        supervised,
+        written=[i for i in range(n) if i not in (9, 35)],
+        storage_dtype="float16",
+        modules=[{"offset": o, "size": z} for o, z in blocks],
+    )
     assert index.grads.chunks[0] == chunk
     valid = np.ones(n, dtype=bool)
     valid[[5, 6, 9, 13, 30, 35]] = False
     queries = torch.randn(3, d, generator=g)
     np.save(tmp_path / "queries.npy", queries.numpy())
-    cases = [(score, normalize, k) for score, normalize in CASES for k in (4, n + 5)]  # k past N: only rankable rows come back
+    cases = [
+        (score, normalize, k) for score, normalize in CASES for k in (4, n + 5)
+    ]  # k past N: only rankable rows come back
 
     # `gradian query` with query.engine=dask on a file:// index, against the local engine's answer.
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    common = ["configs/smollm2.yaml", f"model.name_or_path={saved_model}", f"index.path=file://{tmp_path}/cli-ix", "trainer.accelerator=cpu",
-              "grads.projection_dim=8", "grads.module_filter=[down_proj,q_proj]"]
-    assert main(["index", *common, f"data.train={train}", "grads.batch_size=3", "trainer.enable_progress_bar=false"]) == 0
+    common = [
+        "configs/smollm2.yaml",
+        f"model.name_or_path={saved_model}",
+        f"index.path=file://{tmp_path}/cli-ix",
+        "trainer.accelerator=cpu",
+        "grads.projection_dim=8",
+        "grads.module_filter=[down_proj,q_proj]",
+    ]
+    assert (
+        main(["index", *common, f"data.train={train}", "grads.batch_size=3", "trainer.enable_progress_bar=false"]) == 0
+    )
     query = ["query", *common, f"query.data={train}", "query.top_k=4", "query.bottom_k=2"]
     assert main(query + [f"query.output={tmp_path / 'local.jsonl'}"]) == 0
     capsys.readouterr()
 
     script = tmp_path / "dask_job.py"
     script.write_text(SCRIPT.format())
-    job = {"index": str(tmp_path / "ix"), "queries": str(tmp_path / "queries.npy"), "cases": cases,
-           "query": query + [f"query.output={tmp_path / 'dask.jsonl'}", "query.engine=dask"]}
-    done = subprocess.run([sys.executable, str(script), json.dumps(job)], cwd=Path(__file__).resolve().parents[1], env=clean_env(), capture_output=True, text=True, timeout=600)
+    job = {
+        "index": str(tmp_path / "ix"),
+        "queries": str(tmp_path / "queries.npy"),
+        "cases": cases,
+        "query": query + [f"query.output={tmp_path / 'dask.jsonl'}", "query.engine=dask"],
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(job)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
-    assert result["workers"] == 2 and result["query_exit"] == 0 and "queries ranked" in done.stdout and "on Dask scheduler tcp://" in done.stdout
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
+    assert (
+        result["workers"] == 2
+        and result["query_exit"] == 0
+        and "queries ranked" in done.stdout
+        and "on Dask scheduler tcp://" in done.stdout
+    )
 
     stored = index.rows(slice(None))  # the float16-rounded rows both engines score
     for (score, normalize, k), ranking in zip(cases, result["rankings"]):
         top_i, top_s, bottom_i, bottom_s = (np.asarray(r) for r in ranking)
-        local_top, local_bottom = streaming_topk(index, queries, k, score, bottom_k=k, normalize=normalize, precondition="none")
+        local_top, local_bottom = streaming_topk(
+            index, queries, k, score, bottom_k=k, normalize=normalize, precondition="none"
+        )
         np.testing.assert_array_equal(top_i, local_top.indices.numpy())
         np.testing.assert_array_equal(bottom_i, local_bottom.indices.numpy())
         np.testing.assert_allclose(top_s, local_top.scores.numpy(), rtol=1e-5, atol=1e-6)
@@ -109,11 +143,22 @@ def test_dask_ranks_like_the_local_scorer_on_two_workers(tmp_path, saved_model, 
 
 def test_dask_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(dask_engine, "CONNECT_TIMEOUT_S", 1)
-    with pytest.raises(ConfigError, match=r"setting 'query.dask_scheduler'='tcp://127.0.0.1:9' does not answer \(.*\); start a scheduler there"):
+    with pytest.raises(
+        ConfigError,
+        match=r"setting 'query.dask_scheduler'='tcp://127.0.0.1:9' does not answer \(.*\); start a scheduler there",
+    ):
         with dask_client("tcp://127.0.0.1:9"):
             pass
     index = build_index("memory://gradian-dask-test/ix", torch.ones(3, 2))
     with pytest.raises(ConfigError, match="a memory:// store lives in this process and Dask workers see an empty one"):
         dask_topk(index, torch.ones(1, 2), 1)
-    code, _, err = run(capsys, "query", "configs/smollm2.yaml", "model.name_or_path=unused", f"index.path={tmp_path}/ix", "query.data=q.jsonl", "query.engine=spark")
+    code, _, err = run(
+        capsys,
+        "query",
+        "configs/smollm2.yaml",
+        "model.name_or_path=unused",
+        f"index.path={tmp_path}/ix",
+        "query.data=q.jsonl",
+        "query.engine=spark",
+    )
     assert code == 2 and err == "gradian query: error: setting 'query.engine'='spark' is not allowed; use local or dask"

@@ -27,8 +27,21 @@ def test_two_ranks_write_the_same_index_as_one(tmp_path, model, tokenizer, rows)
     loader = DataLoader(dataset, batch_size=2, collate_fn=collate)
     for name, kwargs in (("one", {"devices": 1}), ("two", {"devices": 2, "strategy": "ddp_fork"})):
         (tmp_path / name / "notes").mkdir(parents=True)
-        indexer = RecordingIndexer(tmp_path / name / "ix", ["down_proj", "lm_head"], projection_dim=4, storage_dtype="float32", notes=tmp_path / name / "notes")
-        trainer = L.Trainer(accelerator="cpu", callbacks=[indexer], logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+        indexer = RecordingIndexer(
+            tmp_path / name / "ix",
+            ["down_proj", "lm_head"],
+            projection_dim=4,
+            storage_dtype="float32",
+            notes=tmp_path / name / "notes",
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            callbacks=[indexer],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
         trainer.validate(FineTune(model), dataloaders=loader, verbose=False)
     shares = [{int(i) for i in (tmp_path / "two" / "notes" / f"rank{r}.txt").read_text().split()} for r in (0, 1)]
     assert shares[0] | shares[1] == set(range(len(rows))) and shares[0] != shares[1]  # both ranks worked

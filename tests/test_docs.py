@@ -32,7 +32,9 @@ def setting_keys(cls=GradianConfig, prefix="") -> List[str]:
 
 
 def error_types() -> Dict[str, type]:
-    return {name: obj for name, obj in vars(errors).items() if inspect.isclass(obj) and issubclass(obj, errors.GradianError)}
+    return {
+        name: obj for name, obj in vars(errors).items() if inspect.isclass(obj) and issubclass(obj, errors.GradianError)
+    }
 
 
 def _fragments(message: ast.expr) -> List[str]:
@@ -94,7 +96,9 @@ def test_every_setting_has_an_entry():
         if not key.endswith(".*"):
             row = re.search(rf"^\| `{re.escape(key)}` \|(.*)$", page, flags=re.M).group(1)
             cells = [c.strip() for c in row.split("|")]
-            assert len(cells) >= 5 and all(cells[:4]), f"{key}: type, default, allowed values and effect must all be filled in"
+            assert len(cells) >= 5 and all(cells[:4]), (
+                f"{key}: type, default, allowed values and effect must all be filled in"
+            )
 
 
 def test_every_error_type_and_message_has_an_entry():

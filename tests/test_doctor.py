@@ -33,9 +33,15 @@ def test_json_report_matches_the_environment(capsys, monkeypatch):
     assert all(v["status"] == version_status(name, v["installed"]) for name, v in versions.items())
     d = report["determinism"]
     assert d["seed"] == 7 and d["deterministic_algorithms"] is True and d["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    assert d["tf32_matmul"] == torch.backends.cuda.matmul.allow_tf32 and d["cudnn_benchmark"] == torch.backends.cudnn.benchmark
+    assert (
+        d["tf32_matmul"] == torch.backends.cuda.matmul.allow_tf32
+        and d["cudnn_benchmark"] == torch.backends.cudnn.benchmark
+    )
     backends = {b["name"]: b for b in report["backends"]}
-    assert backends["cuda"]["available"] == torch.cuda.is_available() and backends["gloo"]["available"] == torch.distributed.is_gloo_available()
+    assert (
+        backends["cuda"]["available"] == torch.cuda.is_available()
+        and backends["gloo"]["available"] == torch.distributed.is_gloo_available()
+    )
     assert backends["hooks"]["available"] and backends["zarr (local)"]["available"]
     s3 = importlib.util.find_spec("s3fs") is not None
     assert backends["zarr via fsspec: s3://"]["available"] == s3

@@ -25,7 +25,11 @@ def test_finetune_and_attribute_smoke(tmp_path, capsys):
     for _, path in runs:
         index = open_index(path)
         names = [m["name"] for m in index.meta["modules"]]
-        assert index.meta["complete"] and len(names) == 8 and all(re.search(r"\.(q|v)_proj\.lora_[AB]\.default$", n) for n in names)
+        assert (
+            index.meta["complete"]
+            and len(names) == 8
+            and all(re.search(r"\.(q|v)_proj\.lora_[AB]\.default$", n) for n in names)
+        )
     # The table: each query, then its top 3 training rows; the bundled queries paraphrase one row each.
     tops = re.findall(r"^(q-\S+) .*\n +1 [+-]\d\.\d{4}  (\S+)", out, flags=re.M)
     assert len(tops) == 6

@@ -61,24 +61,39 @@ def test_fsdp2_on_two_cpu_ranks_writes_the_unsharded_rows_and_names(tmp_path):
     model = make_model(len(tokenizer))
     loader = DataLoader(JsonlDataset([dict(r) for r in ROWS], tokenizer, 64), batch_size=2, collate_fn=collate)
     plain = GradientIndexer(tmp_path / "plain", MODULES, projection_dim=4, storage_dtype="float32")
-    L.Trainer(accelerator="cpu", devices=1, callbacks=[plain], logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
-        CausalLMModule(model), dataloaders=loader, verbose=False)
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[plain],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).validate(CausalLMModule(model), dataloaders=loader, verbose=False)
     script = tmp_path / "fsdp2.py"
     script.write_text(SCRIPT.format(tests=str(TESTS), path=str(tmp_path / "sharded"), modules=MODULES))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
-    assert result["weight"] == "DTensor" and result["shard_rows"] * 2 == result["rows"]  # really sharded: half the head per rank
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
+    assert (
+        result["weight"] == "DTensor" and result["shard_rows"] * 2 == result["rows"]
+    )  # really sharded: half the head per rank
     assert result["modules"] == list(plain.modules)  # module_filter names the same modules as without FSDP
     sharded, unsharded = open_index(tmp_path / "sharded"), open_index(tmp_path / "plain")
-    assert sharded.meta["complete"] and [b["name"] for b in sharded.meta["modules"]] == [b["name"] for b in unsharded.meta["modules"]]
+    assert sharded.meta["complete"] and [b["name"] for b in sharded.meta["modules"]] == [
+        b["name"] for b in unsharded.meta["modules"]
+    ]
     torch.testing.assert_close(sharded.rows(slice(None)), unsharded.rows(slice(None)), rtol=1e-4, atol=1e-5)
 
 
 def test_fsdp1_strategy_is_refused_in_one_line():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    with pytest.raises(ConfigError, match=r"^GradientIndexer cannot run under Lightning's FSDPStrategy \(FSDP1\).*ModelParallelStrategy with fully_shard \(FSDP2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^GradientIndexer cannot run under Lightning's FSDPStrategy \(FSDP1\).*ModelParallelStrategy with fully_shard \(FSDP2\)",
+    ):
         check_strategy(FSDPStrategy())
     check_strategy(DDPStrategy())
     indexer = GradientIndexer("unused", "down_proj")
@@ -92,10 +107,18 @@ def test_module_names_through_wrappers_are_the_unwrapped_ones():
 
     model = make_model(40)
     plain = list(select_modules(model, MODULES))
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer))  # as Lightning's strategies apply it
+    apply_activation_checkpointing(
+        model, check_fn=lambda m: isinstance(m, LlamaDecoderLayer)
+    )  # as Lightning's strategies apply it
     wrapped = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert any("_checkpoint_wrapped_module" in name for name in wrapped)
     assert list(select_modules(model, MODULES)) == plain
     # FSDP1 inserts its own prefix (names as torch 2.13 gives them for a LlamaDecoderLayer auto-wrap policy).
-    assert unwrapped_name("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.down_proj") == "model.layers.0.mlp.down_proj"
-    assert unwrapped_name("_orig_mod.model.layers.1._checkpoint_wrapped_module.mlp.down_proj") == "model.layers.1.mlp.down_proj"
+    assert (
+        unwrapped_name("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.down_proj")
+        == "model.layers.0.mlp.down_proj"
+    )
+    assert (
+        unwrapped_name("_orig_mod.model.layers.1._checkpoint_wrapped_module.mlp.down_proj")
+        == "model.layers.1.mlp.down_proj"
+    )

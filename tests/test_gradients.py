@@ -110,7 +110,9 @@ def test_chunked_loss_gives_the_same_rows(model, tokenizer, rows, chunk):
     modules = select_modules(model, MODULES[:-1])  # the head runs in chunks of its own: it cannot be captured
     projector = KroneckerProjector(modules, 4, 0)
     with pytest.raises(ConfigError, match="head cannot be captured"):
-        projected_gradients(model, batch, LinearCapture(select_modules(model, ["lm_head"])), projector, loss_chunk_tokens=chunk)
+        projected_gradients(
+            model, batch, LinearCapture(select_modules(model, ["lm_head"])), projector, loss_chunk_tokens=chunk
+        )
     with torch.enable_grad():
         want, want_losses = projected_gradients(model, batch, LinearCapture(modules), projector)
         got, losses = projected_gradients(model, batch, LinearCapture(modules), projector, loss_chunk_tokens=chunk)
@@ -121,8 +123,11 @@ def test_chunked_loss_gives_the_same_rows(model, tokenizer, rows, chunk):
 def test_forward_keeps_no_linear_input_for_weight_gradients(model, tokenizer, rows):
     """Weights are detached for the forward: autograd saves no Linear's input (only weight gradients need them)."""
     kept = []  # held, so that no later tensor can take a freed input's address
-    hooks = [m.register_forward_pre_hook(lambda m, args: kept.append(args[0]))
-             for name, m in model.named_modules() if name.endswith(("mlp.gate_proj", "mlp.down_proj", "self_attn.q_proj"))]
+    hooks = [
+        m.register_forward_pre_hook(lambda m, args: kept.append(args[0]))
+        for name, m in model.named_modules()
+        if name.endswith(("mlp.gate_proj", "mlp.down_proj", "self_attn.q_proj"))
+    ]
     saved = set()
 
     def pack(t):
@@ -133,7 +138,9 @@ def test_forward_keeps_no_linear_input_for_weight_gradients(model, tokenizer, ro
     modules = select_modules(model, ["down_proj"])
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            projected_gradients(model, collate(examples(tokenizer, rows[:3])), LinearCapture(modules), KroneckerProjector(modules, 4, 0))
+            projected_gradients(
+                model, collate(examples(tokenizer, rows[:3])), LinearCapture(modules), KroneckerProjector(modules, 4, 0)
+            )
     finally:
         for h in hooks:
             h.remove()

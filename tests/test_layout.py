@@ -28,7 +28,9 @@ def imports_of(path: Path, modules: Set[str]) -> Set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             # `from gradian_lightning.x import y` imports the module x.y when y is one.
-            found.update(f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in modules)
+            found.update(
+                f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in modules
+            )
         elif isinstance(node, ast.ImportFrom) and node.level:
             raise AssertionError(f"{path}: use absolute imports (line {node.lineno})")
     return found
@@ -52,7 +54,7 @@ def find_cycle(edges: Dict[str, Set[str]]) -> List[str]:
         stack.append(node)
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -87,9 +89,15 @@ def test_boundaries():
         tops = {m.split(".")[0] for m in imported}
         if name.startswith(f"{ROOT}.gradients"):
             assert not tops & {"lightning", "zarr"}, f"{name} imports {tops & {'lightning', 'zarr'}}"
-            assert not {m for m in imported if m.startswith((f"{ROOT}.index", f"{ROOT}.query", f"{ROOT}.recipes"))}, name
+            assert not {m for m in imported if m.startswith((f"{ROOT}.index", f"{ROOT}.query", f"{ROOT}.recipes"))}, (
+                name
+            )
         if name.startswith(f"{ROOT}.index") and name != f"{ROOT}.index.callback":
             assert "lightning" not in tops, f"{name} imports lightning"
-            assert not {m for m in imported if m.startswith((f"{ROOT}.query", f"{ROOT}.recipes", f"{ROOT}.index.callback"))}, name
+            assert not {
+                m for m in imported if m.startswith((f"{ROOT}.query", f"{ROOT}.recipes", f"{ROOT}.index.callback"))
+            }, name
         if not name.startswith((f"{ROOT}.recipes", f"{ROOT}.cli")) and name != ROOT:
-            assert not {m for m in imported if m.startswith((f"{ROOT}.recipes", f"{ROOT}.cli"))}, f"{name} imports a recipe or the CLI"
+            assert not {m for m in imported if m.startswith((f"{ROOT}.recipes", f"{ROOT}.cli"))}, (
+                f"{name} imports a recipe or the CLI"
+            )

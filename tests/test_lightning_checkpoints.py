@@ -16,7 +16,13 @@ from gradian_lightning.cli import main
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.saved_models import load_saved_model, saved_models
 
-GRADS = ["grads.storage_dtype=float32", "grads.projection_dim=4", "grads.module_filter=[down_proj,o_proj]", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+GRADS = [
+    "grads.storage_dtype=float32",
+    "grads.projection_dim=4",
+    "grads.module_filter=[down_proj,o_proj]",
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+]
 
 
 class Wrapped(L.LightningModule):
@@ -31,11 +37,16 @@ class Wrapped(L.LightningModule):
         return None
 
     def training_step(self, batch, batch_idx):
-        return self.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        return self.net(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.net.parameters(), lr=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.3), "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.3), "interval": "step"},
+        }
 
 
 class AtSave(L.Callback):
@@ -59,14 +70,30 @@ def fitted(tmp_path, tokenizer, rows):
     lm.save_pretrained(base)
     tokenizer.save_pretrained(base)
     at_save = AtSave()
-    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[saver, at_save])
+    saver = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[saver, at_save],
+    )
     module = Wrapped(lm.train())
     trainer.fit(module, train_dataloaders=loader(JsonlDataset(rows, tokenizer, 64), 4))
     tuned = tmp_path / "tuned"
     module.net.save_pretrained(tuned)  # the weights of step=2.ckpt, as a Hugging Face directory
     tokenizer.save_pretrained(tuned)
-    return {"base": base, "tuned": tuned, "ckpt": {s: tmp_path / "ckpt" / f"step={s}.ckpt" for s in (1, 2)}, "lr": at_save.lr, "weights": at_save.weights}
+    return {
+        "base": base,
+        "tuned": tuned,
+        "ckpt": {s: tmp_path / "ckpt" / f"step={s}.ckpt" for s in (1, 2)},
+        "lr": at_save.lr,
+        "weights": at_save.weights,
+    }
 
 
 def _all_scores(top, n):
@@ -96,7 +123,13 @@ def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     queries = write_jsonl(tmp_path / "queries.jsonl", rows[:3])
     listed = [fitted["base"], fitted["ckpt"][1], fitted["ckpt"][2]]
-    common = ["configs/smollm2.yaml", f"model.name_or_path={fitted['base']}", f"model.checkpoints=[{','.join(map(str, listed))}]", f"index.path={tmp_path / 'ix'}", *GRADS]
+    common = [
+        "configs/smollm2.yaml",
+        f"model.name_or_path={fitted['base']}",
+        f"model.checkpoints=[{','.join(map(str, listed))}]",
+        f"index.path={tmp_path / 'ix'}",
+        *GRADS,
+    ]
     assert main(["index", *common, f"data.train={data}"]) == 0
     index = open_index(tmp_path / "ix")
     lr = fitted["lr"]
@@ -105,12 +138,24 @@ def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_
     assert [e["lr"] for e in index.checkpoints] == [None, pytest.approx(lr[1]), pytest.approx(lr[2])]
 
     # the .ckpt's rows are those of the same weights saved with save_pretrained
-    plain = ["configs/smollm2.yaml", f"model.name_or_path={fitted['tuned']}", f"index.path={tmp_path / 'plain'}", *GRADS]
+    plain = [
+        "configs/smollm2.yaml",
+        f"model.name_or_path={fitted['tuned']}",
+        f"index.path={tmp_path / 'plain'}",
+        *GRADS,
+    ]
     assert main(["index", *plain, f"data.train={data}"]) == 0
-    np.testing.assert_allclose(index.at(2).rows(slice(0, len(rows))).numpy(), open_index(tmp_path / "plain").rows(slice(0, len(rows))).numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        index.at(2).rows(slice(0, len(rows))).numpy(),
+        open_index(tmp_path / "plain").rows(slice(0, len(rows))).numpy(),
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
     # loaded from the .ckpt: the tied head is still the embedding, with the fitted weights
-    cfg = OmegaConf.create({"name_or_path": str(fitted["base"]), "dtype": "float32", "revision": None, "trust_remote_code": False})
+    cfg = OmegaConf.create(
+        {"name_or_path": str(fitted["base"]), "dtype": "float32", "revision": None, "trust_remote_code": False}
+    )
     model, _ = load_saved_model(cfg, str(fitted["ckpt"][2]))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for name, tensor in model.state_dict().items():
@@ -120,13 +165,39 @@ def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_
     per = {s: _scores_at(index, s, fitted["weights"][s], tokenizer, rows[:3], tie=True) for s in (1, 2)}
     expected = (lr[1] * per[1] + lr[2] * per[2]) / (lr[1] + lr[2])
     out = tmp_path / "two.jsonl"
-    assert main(["query", *common, f"query.data={queries}", "query.checkpoints=[1,2]", f"query.output={out}", f"query.top_k={len(rows)}"]) == 0
+    assert (
+        main(
+            [
+                "query",
+                *common,
+                f"query.data={queries}",
+                "query.checkpoints=[1,2]",
+                f"query.output={out}",
+                f"query.top_k={len(rows)}",
+            ]
+        )
+        == 0
+    )
     _assert_scores(out, expected)
     # `all` takes the base directory too, which has no learning rate: equal weights
-    assert main(["query", *common, f"query.data={queries}", "query.checkpoints=all", f"query.output={out}", f"query.top_k={len(rows)}"]) == 0
+    assert (
+        main(
+            [
+                "query",
+                *common,
+                f"query.data={queries}",
+                "query.checkpoints=all",
+                f"query.output={out}",
+                f"query.top_k={len(rows)}",
+            ]
+        )
+        == 0
+    )
     base = OmegaConf.create({**cfg, "name_or_path": str(fitted["base"])})
     reference, _ = load_saved_model(base, str(fitted["base"]))
-    per[0] = _all_scores(index.at(0).topk(query_gradients(index.at(0), reference, tokenizer, rows[:3]), k=len(rows)), len(rows))
+    per[0] = _all_scores(
+        index.at(0).topk(query_gradients(index.at(0), reference, tokenizer, rows[:3]), k=len(rows)), len(rows)
+    )
     _assert_scores(out, (per[0] + per[1] + per[2]) / 3)
 
     # a query whose list does not line up with the index's steps fails on the .ckpt's own step
@@ -135,7 +206,18 @@ def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_
         from gradian_lightning.config import load_config
         from gradian_lightning.recipes.query import run_query
 
-        run_query(load_config("configs/smollm2.yaml", [*common[1:2], f"model.checkpoints=[{','.join(map(str, swapped))}]", f"index.path={tmp_path / 'ix'}", *GRADS, f"query.data={queries}"]))
+        run_query(
+            load_config(
+                "configs/smollm2.yaml",
+                [
+                    *common[1:2],
+                    f"model.checkpoints=[{','.join(map(str, swapped))}]",
+                    f"index.path={tmp_path / 'ix'}",
+                    *GRADS,
+                    f"query.data={queries}",
+                ],
+            )
+        )
 
 
 def test_an_index_built_during_fit_is_queried_with_the_fits_ckpt_files(tmp_path, tokenizer, rows, saved_model):
@@ -149,11 +231,21 @@ def test_an_index_built_during_fit_is_queried_with_the_fits_ckpt_files(tmp_path,
     from gradian_lightning.recipes.query import run_query
 
     dataset = JsonlDataset(rows, tokenizer, 64)
-    indexer = GradientIndexer(tmp_path / "ix", ["down_proj", "o_proj"], 4, "float32", model_attribute="net", checkpoints=True)
+    indexer = GradientIndexer(
+        tmp_path / "ix", ["down_proj", "o_proj"], 4, "float32", model_attribute="net", checkpoints=True
+    )
     saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}")
     at_save = AtSave()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[indexer, saver, at_save])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[indexer, saver, at_save],
+    )
     lm = AutoModelForCausalLM.from_pretrained(saved_model)  # as a user would: the index records this name
     trainer.fit(Wrapped(lm), train_dataloaders=loader(dataset, 4), val_dataloaders=loader(dataset))
     index = open_index(tmp_path / "ix")
@@ -161,11 +253,21 @@ def test_an_index_built_during_fit_is_queried_with_the_fits_ckpt_files(tmp_path,
     assert steps == sorted(at_save.weights) == [2, 4]
     ckpts = [tmp_path / "ckpt" / f"step={s}.ckpt" for s in steps]
     # the learning rate a .ckpt carries is the one GradientIndexer recorded at that step
-    assert [(s.step, s.lr) for s in saved_models([str(c) for c in ckpts])] == [(e["step"], pytest.approx(e["lr"])) for e in index.checkpoints]
+    assert [(s.step, s.lr) for s in saved_models([str(c) for c in ckpts])] == [
+        (e["step"], pytest.approx(e["lr"])) for e in index.checkpoints
+    ]
     queries = write_jsonl(tmp_path / "queries.jsonl", rows[:2])
     out = tmp_path / "all.jsonl"
-    overrides = [f"model.name_or_path={saved_model}", f"model.checkpoints=[{','.join(map(str, ckpts))}]", f"index.path={tmp_path / 'ix'}", *GRADS,
-                 f"query.data={queries}", "query.checkpoints=all", f"query.output={out}", f"query.top_k={len(rows)}"]
+    overrides = [
+        f"model.name_or_path={saved_model}",
+        f"model.checkpoints=[{','.join(map(str, ckpts))}]",
+        f"index.path={tmp_path / 'ix'}",
+        *GRADS,
+        f"query.data={queries}",
+        "query.checkpoints=all",
+        f"query.output={out}",
+        f"query.top_k={len(rows)}",
+    ]
     run_query(load_config("configs/smollm2.yaml", overrides))
     lrs = [e["lr"] for e in index.checkpoints]
     per = [_scores_at(index, s, at_save.weights[s], tokenizer, rows[:2], tie=False) for s in steps]
@@ -180,8 +282,16 @@ def _one_line(excinfo):
 def test_ckpt_list_order_and_files(tmp_path, fitted):
     ckpt = fitted["ckpt"]
     got = saved_models([str(fitted["base"]), str(ckpt[2]), str(fitted["tuned"])])
-    assert [(s.step, s.lr) for s in got] == [(0, None), (2, pytest.approx(fitted["lr"][2])), (3, None)]  # a directory: one after the entry before it
-    assert [s.step for s in saved_models(["a", "b", "c"])] == [0, 1, 2]  # directories only: their positions, as before .ckpt files
+    assert [(s.step, s.lr) for s in got] == [
+        (0, None),
+        (2, pytest.approx(fitted["lr"][2])),
+        (3, None),
+    ]  # a directory: one after the entry before it
+    assert [s.step for s in saved_models(["a", "b", "c"])] == [
+        0,
+        1,
+        2,
+    ]  # directories only: their positions, as before .ckpt files
     with pytest.raises(ConfigError, match="oldest first") as e:
         saved_models([str(ckpt[2]), str(ckpt[1])])
     assert "model.checkpoints" in _one_line(e)
@@ -205,14 +315,19 @@ def test_ckpt_list_order_and_files(tmp_path, fitted):
     with pytest.raises(ConfigError, match="cannot read") as e:
         saved_models([str(tmp_path / "text.ckpt")])
     _one_line(e)
-    torch.save({"global_step": 1, "state_dict": {}, "hyper_parameters": {"when": np.random.default_rng(0)}}, tmp_path / "pickled.ckpt")
+    torch.save(
+        {"global_step": 1, "state_dict": {}, "hyper_parameters": {"when": np.random.default_rng(0)}},
+        tmp_path / "pickled.ckpt",
+    )
     with pytest.raises(ConfigError, match="does not unpickle") as e:
         saved_models([str(tmp_path / "pickled.ckpt")])
     _one_line(e)
 
 
 def test_ckpt_whose_weights_do_not_fit_the_model(tmp_path, tokenizer, fitted):
-    cfg = OmegaConf.create({"name_or_path": str(fitted["base"]), "dtype": "float32", "revision": None, "trust_remote_code": False})
+    cfg = OmegaConf.create(
+        {"name_or_path": str(fitted["base"]), "dtype": "float32", "revision": None, "trust_remote_code": False}
+    )
     good = fitted["weights"][2]
 
     def attempt(state, match):
@@ -223,7 +338,9 @@ def test_ckpt_whose_weights_do_not_fit_the_model(tmp_path, tokenizer, fitted):
         assert "model.checkpoints" in _one_line(e) and "bad.ckpt" in str(e.value)
 
     one_layer = make_model(len(tokenizer), layers=1, tie=True).state_dict()
-    attempt({f"lm.{k}": v for k, v in one_layer.items()}, r"under the prefix 'lm\.', \d+ of the model's keys are missing")
+    attempt(
+        {f"lm.{k}": v for k, v in one_layer.items()}, r"under the prefix 'lm\.', \d+ of the model's keys are missing"
+    )
     attempt({f"lm.{k}": v for k, v in good.items()} | {"lm.model.extra.weight": torch.zeros(1)}, "1 are unexpected")
     attempt({"other.weight": torch.zeros(1)}, "none of its state_dict keys")
     wide = make_model(len(tokenizer), hidden=64, tie=True).state_dict()
@@ -231,10 +348,16 @@ def test_ckpt_whose_weights_do_not_fit_the_model(tmp_path, tokenizer, fitted):
     attempt({f"a.{k}": v for k, v in good.items()} | {f"b.{k}": v for k, v in good.items()}, "several attributes")
     untied = dict(good) | {"lm_head.weight": good["lm_head.weight"] + 1}
     attempt({f"lm.{k}": v for k, v in untied.items()}, "tied weights")
-    lora = {f"lm.{k}": v for k, v in good.items()} | {"lm.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(2, 32)}
+    lora = {f"lm.{k}": v for k, v in good.items()} | {
+        "lm.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(2, 32)
+    }
     attempt(lora, "PEFT")
     # a tied twin may be left out: lm_head.weight is the embedding
     path = tmp_path / "head_left_out.ckpt"
-    torch.save({"global_step": 5, "state_dict": {f"m.m.{k}": v for k, v in good.items() if k != "lm_head.weight"}}, path)
+    torch.save(
+        {"global_step": 5, "state_dict": {f"m.m.{k}": v for k, v in good.items() if k != "lm_head.weight"}}, path
+    )
     model, _ = load_saved_model(cfg, str(path))
-    assert model.lm_head.weight is model.model.embed_tokens.weight and torch.equal(model.lm_head.weight, good["lm_head.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight and torch.equal(
+        model.lm_head.weight, good["lm_head.weight"]
+    )

@@ -28,7 +28,9 @@ def test_loss_equals_hf_loss(model, tokenizer, rows, wrap):
     for i in range(len(rows)):  # and per example, each alone
         one = {k: v[i : i + 1] for k, v in batch.items() if torch.is_tensor(v)}
         n_i = (one["labels"][:, 1:] != -100).sum()
-        torch.testing.assert_close(losses[i], model(input_ids=one["input_ids"], labels=one["labels"]).loss * n_i, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            losses[i], model(input_ids=one["input_ids"], labels=one["labels"]).loss * n_i, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_row_without_supervised_tokens_has_zero_loss(model, tokenizer):
@@ -93,7 +95,9 @@ def test_token_cross_entropy_equals_f_cross_entropy_and_keeps_only_the_logits():
         got = token_cross_entropy(fresh, targets)
     assert sum(saved) == base.nbytes + targets.nbytes + 70 * 4  # logits, targets, log-sum-exp
     (got * weights).sum().backward()
-    torch.testing.assert_close(fresh.detach(), logits.grad)  # the gradient was written into the logits: no second [n, vocab] tensor
+    torch.testing.assert_close(
+        fresh.detach(), logits.grad
+    )  # the gradient was written into the logits: no second [n, vocab] tensor
     torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(logits.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
     view = base.clone().requires_grad_(True)

@@ -19,15 +19,24 @@ peft = pytest.importorskip("peft")
 
 def lora(tokenizer, targets, r=4):
     # init_lora_weights=False: B starts random, not zero, so A's gradients are not all zero.
-    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, task_type="CAUSAL_LM"
+    )
     return peft.get_peft_model(make_model(len(tokenizer), hidden=32), config)
 
 
 def run(tmp_path, model, dataset, module_filter, dim):
-    indexer = GradientIndexer(tmp_path / "ix", module_filter, projection_dim=dim, storage_dtype="float32", seed=5, verbose=False)
-    L.Trainer(callbacks=[indexer], accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path).validate(
-        ValidateOnly(model), DataLoader(dataset, batch_size=3, collate_fn=collate), verbose=False
+    indexer = GradientIndexer(
+        tmp_path / "ix", module_filter, projection_dim=dim, storage_dtype="float32", seed=5, verbose=False
     )
+    L.Trainer(
+        callbacks=[indexer],
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).validate(ValidateOnly(model), DataLoader(dataset, batch_size=3, collate_fn=collate), verbose=False)
     return open_index(tmp_path / "ix")
 
 
@@ -82,7 +91,10 @@ def test_projected_lora_rows_match_the_projection_of_the_exact_gradients(tmp_pat
     index = run(tmp_path, model, dataset, ["q_proj.lora_A", "q_proj.lora_B", "v_proj.lora_B"], dim=4)
     causal_lm = model.get_base_model()
     names = [m["name"] for m in index.meta["modules"]]
-    assert all(n.endswith((".q_proj.lora_A.default", ".q_proj.lora_B.default", ".v_proj.lora_B.default")) for n in names) and len(names) == 6
+    assert (
+        all(n.endswith((".q_proj.lora_A.default", ".q_proj.lora_B.default", ".v_proj.lora_B.default")) for n in names)
+        and len(names) == 6
+    )
     modules = select_modules(causal_lm, names)
     projector = KroneckerProjector(modules, 4, 5)
     exact = per_example_weight_grads(causal_lm, dataset, names)
@@ -102,7 +114,9 @@ def test_base_layers_answer_to_the_layer_name(tmp_path, tokenizer, rows):
     index = run(tmp_path, model, dataset, ["q_proj", "down_proj"], dim=None)
     causal_lm = model.get_base_model()
     names = [m["name"] for m in index.meta["modules"]]
-    assert names == [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj.base_layer", "mlp.down_proj")]
+    assert names == [
+        f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj.base_layer", "mlp.down_proj")
+    ]
     assert_rows_close(index.rows(slice(None)), per_example_weight_grads(causal_lm, dataset, names))
     assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
 
@@ -110,12 +124,16 @@ def test_base_layers_answer_to_the_layer_name(tmp_path, tokenizer, rows):
 def test_model_attribute_naming_the_peft_model_and_queries_through_it(tmp_path, tokenizer, rows):
     model = lora(tokenizer, ["q_proj", "v_proj"])
     dataset = JsonlDataset(rows, tokenizer, 64)
-    indexer = GradientIndexer(tmp_path / "ix", "lora_B", projection_dim=4, storage_dtype="float32", model_attribute="model", verbose=False)
-    L.Trainer(callbacks=[indexer], accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
-        ValidateOnly(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False
+    indexer = GradientIndexer(
+        tmp_path / "ix", "lora_B", projection_dim=4, storage_dtype="float32", model_attribute="model", verbose=False
     )
+    L.Trainer(
+        callbacks=[indexer], accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    ).validate(ValidateOnly(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False)
     index = open_index(tmp_path / "ix")
-    assert [m["name"] for m in index.meta["modules"]] == [f"model.layers.{i}.self_attn.{p}.lora_B.default" for i in range(2) for p in ("q_proj", "v_proj")]
+    assert [m["name"] for m in index.meta["modules"]] == [
+        f"model.layers.{i}.self_attn.{p}.lora_B.default" for i in range(2) for p in ("q_proj", "v_proj")
+    ]
     # A PeftModel handed to query_gradients runs like the indexed one: training rows score as their own rows.
     assert_rows_close(query_gradients(index, model, tokenizer, rows[:3]), index.rows([0, 1, 2]))
 

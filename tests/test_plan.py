@@ -31,7 +31,9 @@ def wide_model(tmp_path_factory, tokenizer):
 
 def config(tmp_path, model_dir, rows, *more):
     data = write_jsonl(tmp_path / "train.jsonl", rows)
-    return load_config("configs/smollm2.yaml", [f"model.name_or_path={model_dir}", f"data.train={data}", "model.dtype=bfloat16", *more])
+    return load_config(
+        "configs/smollm2.yaml", [f"model.name_or_path={model_dir}", f"data.train={data}", "model.dtype=bfloat16", *more]
+    )
 
 
 def upcast_bytes(model, batch, chunk=None):
@@ -59,7 +61,11 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     top = [examples[i] for i in np.argsort(-counts, kind="stable")[:3]]
     assert upcast_bytes(model, collate(top)) == plan["fp32_logits_bytes"]["worst_case"]
     s = plan["supervised_tokens"]
-    assert (s["max"], s["mean"], s["p95"]) == (counts.max(), pytest.approx(counts.mean()), pytest.approx(np.percentile(counts, 95)))
+    assert (s["max"], s["mean"], s["p95"]) == (
+        counts.max(),
+        pytest.approx(counts.mean()),
+        pytest.approx(np.percentile(counts, 95)),
+    )
     assert plan["truncated_rows"] == 1 and plan["empty_rows"] == 0
     # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms), plus the row statistics:
     # sumsq [D] f64, gram and eigvecs [M, k², k²] f64, eigvals [M, k²] f64, whitened norms [rows, M] f32;
@@ -67,11 +73,17 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     m, n = 2 * 3, len(rows)
     stats = m * 256 * 8 + 2 * m * 256 * 256 * 8 + m * 256 * 8 + n * m * 4
     assert plan["index"]["statistics_bytes"] == stats
-    assert plan["index"]["bytes_by_storage_dtype"] == {"float32": n * (m * 256 * 4 + m * 4) + stats, "float16": n * (m * 256 * 2 + m * 4) + stats, "bfloat16": n * (m * 256 * 2 + m * 4) + stats}
+    assert plan["index"]["bytes_by_storage_dtype"] == {
+        "float32": n * (m * 256 * 4 + m * 4) + stats,
+        "float16": n * (m * 256 * 2 + m * 4) + stats,
+        "bfloat16": n * (m * 256 * 2 + m * 4) + stats,
+    }
 
 
 def test_chunked_loss_peak_is_the_chunk_whatever_the_batch(tmp_path, wide_model, tokenizer):
-    cfg = config(tmp_path, wide_model, ROWS, "grads.batch_size=4", "grads.loss_chunk_tokens=5", "trainer.accelerator=cpu")
+    cfg = config(
+        tmp_path, wide_model, ROWS, "grads.batch_size=4", "grads.loss_chunk_tokens=5", "trainer.accelerator=cpu"
+    )
     plan = make_plan(cfg)
     model, tok = load_model_and_tokenizer(cfg.model)
     from gradian_lightning.data import JsonlDataset
@@ -100,13 +112,19 @@ def test_activation_bytes_per_token_predict_a_deeper_longer_forward(tokenizer):
     """The 1- and 2-layer probe, scaled, against what indexing a 3-layer model keeps for 2 rows of 20 tokens."""
     model = make_model(VOCAB, hidden=64, layers=3)
     ids = torch.randint(3, len(tokenizer), (2, 20))
-    for recompute in ("none", "mlp", "layers"):  # every layer keeping its activations, recomputed MLP blocks (the default), recomputed layers
+    for recompute in (
+        "none",
+        "mlp",
+        "layers",
+    ):  # every layer keeping its activations, recomputed MLP blocks (the default), recomputed layers
         per_token = activation_bytes_per_token(model.config, torch.float32, recompute=recompute)
         # One supervised token: its fp32 log-softmax, [1, vocab], is the loss's share.
         kept = saved_activation_bytes(model, ids, recompute=recompute) - VOCAB * 4
         assert 0.85 * per_token * 40 <= kept <= per_token * 40
     # Recomputing keeps less than the layers' own activations (hidden 64, 3 layers: 0.8x here for layers, fewer at depth).
-    per_token = {r: activation_bytes_per_token(model.config, torch.float32, recompute=r) for r in ("none", "mlp", "layers")}
+    per_token = {
+        r: activation_bytes_per_token(model.config, torch.float32, recompute=r) for r in ("none", "mlp", "layers")
+    }
     assert per_token["layers"] < 0.85 * per_token["none"] and per_token["mlp"] < 0.85 * per_token["none"]
 
 
@@ -124,7 +142,14 @@ def test_plan_cli_prints_the_numbers_without_loading_weights(tmp_path, wide_mode
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    argv = ["plan", "configs/smollm2.yaml", f"model.name_or_path={wide_model}", f"data.train={data}", "--device-memory", "1MiB"]
+    argv = [
+        "plan",
+        "configs/smollm2.yaml",
+        f"model.name_or_path={wide_model}",
+        f"data.train={data}",
+        "--device-memory",
+        "1MiB",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "supervised tokens per row: max" in out and "largest batch size that fits 1.00 MiB (--device-memory):" in out
@@ -133,7 +158,9 @@ def test_plan_cli_prints_the_numbers_without_loading_weights(tmp_path, wide_mode
     weights = sum(p.numel() for p in make_model(VOCAB).parameters()) * 4
     assert plan["weights_bytes"] == weights and plan["device_memory"]["bytes"] == 2**20
     counts, longest = sorted_counts(wide_model, ROWS)
-    assert plan["largest_batch_size_that_fits"] == largest_fitting_batch(counts, longest, VOCAB, weights, plan["activation_bytes_per_token"], 2**20)
+    assert plan["largest_batch_size_that_fits"] == largest_fitting_batch(
+        counts, longest, VOCAB, weights, plan["activation_bytes_per_token"], 2**20
+    )
 
 
 def sorted_counts(model_dir, rows):
@@ -142,4 +169,6 @@ def sorted_counts(model_dir, rows):
     from gradian_lightning.data import JsonlDataset
 
     examples = JsonlDataset(rows, AutoTokenizer.from_pretrained(str(model_dir)), 512).examples
-    return sorted((sum(t != -100 for t in e.labels[1:]) for e in examples), reverse=True), max(len(e.input_ids) for e in examples)
+    return sorted((sum(t != -100 for t in e.labels[1:]) for e in examples), reverse=True), max(
+        len(e.input_ids) for e in examples
+    )

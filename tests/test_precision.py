@@ -40,15 +40,27 @@ class Tensors(TorchDispatchMode):
 
 def index_rows(tmp_path, tokenizer, dataset, precision, record=None):
     model = make_model(len(tokenizer), hidden=64)
-    indexer = GradientIndexer(tmp_path / precision, ["down_proj", "q_proj"], projection_dim=8, storage_dtype="float32", verbose=False)
-    trainer = L.Trainer(callbacks=[indexer], accelerator="cpu", precision=precision, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    indexer = GradientIndexer(
+        tmp_path / precision, ["down_proj", "q_proj"], projection_dim=8, storage_dtype="float32", verbose=False
+    )
+    trainer = L.Trainer(
+        callbacks=[indexer],
+        accelerator="cpu",
+        precision=precision,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with record or contextlib.nullcontext():
         trainer.validate(ValidateOnly(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False)
     return open_index(tmp_path / precision)
 
 
 @pytest.mark.parametrize("precision, weights", [("bf16-mixed", "float32"), ("bf16-true", "bfloat16")])
-def test_bf16_rows_are_finite_and_close_to_fp32_rows_and_the_loss_is_fp32_at_gathered_positions(tmp_path, tokenizer, precision, weights):
+def test_bf16_rows_are_finite_and_close_to_fp32_rows_and_the_loss_is_fp32_at_gathered_positions(
+    tmp_path, tokenizer, precision, weights
+):
     dataset = JsonlDataset(ROWS, tokenizer, 64)
     full = index_rows(tmp_path, tokenizer, dataset, "32-true")
     record = Tensors()
@@ -64,13 +76,17 @@ def test_bf16_rows_are_finite_and_close_to_fp32_rows_and_the_loss_is_fp32_at_gat
     # Gather, then upcast: the logits come out of the head in bf16 at the supervised positions of a
     # batch only, and the one fp32 tensor as wide as the vocabulary has exactly those rows.
     vocab = len(tokenizer)
-    per_batch = [int(supervised_targets(collate(dataset.examples[i : i + 4])["labels"]).sum()) for i in range(0, len(dataset), 4)]
+    per_batch = [
+        int(supervised_targets(collate(dataset.examples[i : i + 4])["labels"]).sum()) for i in range(0, len(dataset), 4)
+    ]
     wide = [(dtype, shape) for dtype, shape in record.made if shape and shape[-1] == vocab and len(shape) == 2]
     # ... besides the log-sum-exp's blocks of at most LSE_ROWS rows, bounded whatever the batch
     fp32_rows = {shape[0] for dtype, shape in wide if dtype == torch.float32}
     assert set(per_batch) <= fp32_rows and all(n in per_batch or n <= LSE_ROWS for n in fp32_rows)
     assert {shape[0] for dtype, shape in wide if dtype == torch.bfloat16} >= set(per_batch)
-    assert not [s for d, s in record.made if d == torch.float32 and len(s) == 3 and s[-1] == vocab]  # never B × T × vocab in fp32
+    assert not [
+        s for d, s in record.made if d == torch.float32 and len(s) == 3 and s[-1] == vocab
+    ]  # never B × T × vocab in fp32
 
 
 @pytest.fixture
@@ -83,12 +99,21 @@ def wide_model(tmp_path_factory, tokenizer):
 
 def plan_for(tmp_path, model_dir, *more):
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    return make_plan(load_config("configs/smollm2.yaml", [f"model.name_or_path={model_dir}", f"data.train={data}", "trainer.accelerator=cpu", *more]), 10**9)
+    return make_plan(
+        load_config(
+            "configs/smollm2.yaml",
+            [f"model.name_or_path={model_dir}", f"data.train={data}", "trainer.accelerator=cpu", *more],
+        ),
+        10**9,
+    )
 
 
 def test_plan_takes_trainer_precision_into_account(tmp_path, wide_model, tokenizer):
     # grads.recompute=none: the real forwards below keep every activation
-    fp32, mixed, true = (plan_for(tmp_path, wide_model, "grads.recompute=none", *more) for more in ([], ["trainer.precision=bf16-mixed"], ["trainer.precision=bf16-true"]))
+    fp32, mixed, true = (
+        plan_for(tmp_path, wide_model, "grads.recompute=none", *more)
+        for more in ([], ["trainer.precision=bf16-mixed"], ["trainer.precision=bf16-true"])
+    )
     model = make_model(4096, hidden=64, layers=3)
     numel = sum(p.numel() for p in model.parameters())
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -102,7 +127,10 @@ def test_plan_takes_trainer_precision_into_account(tmp_path, wide_model, tokeniz
     # Against real forwards of 2 rows × 20 and × 40 tokens: what they keep is a fixed part (under
     # autocast, its bf16 weight copies) plus a part that grows with the tokens.
     short, long = torch.randint(3, len(tokenizer), (2, 20)), torch.randint(3, len(tokenizer), (2, 40))
-    small, large = saved_activation_bytes(model, short, torch.bfloat16), saved_activation_bytes(model, long, torch.bfloat16)
+    small, large = (
+        saved_activation_bytes(model, short, torch.bfloat16),
+        saved_activation_bytes(model, long, torch.bfloat16),
+    )
     # Plan's per-token figure is an upper bound (its graph starts at the embeddings); measured 0.94 of it.
     assert 0.85 * mixed["activation_bytes_per_token"] <= (large - small) / 40 <= mixed["activation_bytes_per_token"]
     assert 2 * small - large == pytest.approx(linear * 2, rel=0.01)  # the fixed part: the weight copies plan adds
@@ -117,5 +145,7 @@ def test_plan_takes_trainer_precision_into_account(tmp_path, wide_model, tokeniz
 
 
 def test_plan_refuses_a_precision_it_cannot_predict(tmp_path, wide_model):
-    with pytest.raises(ConfigError, match="setting 'trainer.precision'='transformer-engine' is not one gradian plan can predict"):
+    with pytest.raises(
+        ConfigError, match="setting 'trainer.precision'='transformer-engine' is not one gradian plan can predict"
+    ):
         plan_for(tmp_path, wide_model, "trainer.precision=transformer-engine")

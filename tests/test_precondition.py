@@ -22,7 +22,14 @@ META = {"fingerprint": "abc", "global_step": 0, "modules": MODULES}
 def make_index(path, rows, supervised=None):
     writer = IndexWriter(path, len(rows), D, "float32", META)
     supervised = torch.full((len(rows),), 2) if supervised is None else supervised
-    writer.write(range(len(rows)), rows, torch.ones(len(rows)), supervised, torch.zeros(len(rows)), [str(i) for i in range(len(rows))])
+    writer.write(
+        range(len(rows)),
+        rows,
+        torch.ones(len(rows)),
+        supervised,
+        torch.zeros(len(rows)),
+        [str(i) for i in range(len(rows))],
+    )
     writer.close()
     return open_index(path)
 
@@ -66,7 +73,12 @@ def test_precondition_equals_dense_float64(tmp_path, how):
     index = make_index(tmp_path / "ix", train)
     metric = dense_metric(train, queries, how, 0.1)
     inner = sum(cross for cross, _, _ in metric)
-    np.testing.assert_allclose(all_scores(index, queries, score="inner", precondition=how, damping=0.1), inner, rtol=2e-4, atol=1e-4 * np.abs(inner).max())
+    np.testing.assert_allclose(
+        all_scores(index, queries, score="inner", precondition=how, damping=0.1),
+        inner,
+        rtol=2e-4,
+        atol=1e-4 * np.abs(inner).max(),
+    )
     modcos = sum(cross / np.sqrt(qq[:, None] * tt[None, :]) for cross, qq, tt in metric) / len(MODULES)
     np.testing.assert_allclose(all_scores(index, queries, precondition=how, damping=0.1), modcos, atol=2e-5)
     # and it is not the identity: preconditioning changes these scores
@@ -128,11 +140,17 @@ def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(
     train, queries = random_rows(N, 0), random_rows(5, 1)
     kept = make_index(tmp_path / "kept", train)
     assert resolve(kept, "auto") == "fisher" and resolve(kept, "diag") == "diag"
-    np.testing.assert_array_equal(all_scores(kept, queries, precondition="auto", damping=1.0), all_scores(kept, queries, precondition="fisher", damping=1.0))
+    np.testing.assert_array_equal(
+        all_scores(kept, queries, precondition="auto", damping=1.0),
+        all_scores(kept, queries, precondition="fisher", damping=1.0),
+    )
     monkeypatch.setattr(statistics, "GRAM_MAX_SIZE", S - 1)  # as k = 64 is to the real limit: no second moments kept
     wide = make_index(tmp_path / "wide", train)
     assert resolve(wide, "auto") == "diag"
-    np.testing.assert_array_equal(all_scores(wide, queries, precondition="auto", damping=1.0), all_scores(wide, queries, precondition="diag", damping=1.0))
+    np.testing.assert_array_equal(
+        all_scores(wide, queries, precondition="auto", damping=1.0),
+        all_scores(wide, queries, precondition="diag", damping=1.0),
+    )
     with pytest.raises(ConfigError, match="query.precondition=diag"):
         all_scores(wide, queries, precondition="fisher")
 
@@ -146,7 +164,9 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
     index = make_index(tmp_path / "ix", train)
     assert index.whitened_damping == DEFAULT_DAMPING and uses_whitened_norms(index, score, "fisher", DEFAULT_DAMPING)
     metric = dense_metric(train, queries, "fisher", DEFAULT_DAMPING)
-    np.testing.assert_allclose(index.whitened_norms(0, N).numpy(), np.sqrt(np.stack([tt for _, _, tt in metric], axis=1)), rtol=1e-5)
+    np.testing.assert_allclose(
+        index.whitened_norms(0, N).numpy(), np.sqrt(np.stack([tt for _, _, tt in metric], axis=1)), rtol=1e-5
+    )
     fast = all_scores(index, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING)
     cross = sum(c for c, _, _ in metric)
     if score == "inner":
@@ -160,7 +180,11 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
         del zarr.open_group(str(tmp_path / "ix"), mode="r+")["statistics"].attrs["whitened_damping"]
         slow = open_index(tmp_path / "ix")
         assert slow.whitened_damping is None and not uses_whitened_norms(slow, score, "fisher", DEFAULT_DAMPING)
-        np.testing.assert_allclose(all_scores(slow, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING), fast, atol=2e-6)
+        np.testing.assert_allclose(
+            all_scores(slow, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING),
+            fast,
+            atol=2e-6,
+        )
     # another damping whitens every chunk: the stored norms are for the default only
     assert not uses_whitened_norms(index, "cosine", "fisher", 0.5)
 
@@ -168,7 +192,9 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
 def test_whitened_norms_are_stored_once_every_row_is_written_and_survive_a_resume(tmp_path):
     train = random_rows(N, 8)
     writer = IndexWriter(tmp_path / "ix", N, D, "float32", META, rows_per_chunk=8)
-    writer.write(range(20), train[:20], torch.ones(20), torch.full((20,), 2), torch.zeros(20), [str(i) for i in range(20)])
+    writer.write(
+        range(20), train[:20], torch.ones(20), torch.full((20,), 2), torch.zeros(20), [str(i) for i in range(20)]
+    )
     assert not writer.close()  # half written: statistics of 20 rows, no whitened norms yet
     assert open_index(tmp_path / "ix").whitened_damping is None
     writer = IndexWriter(tmp_path / "ix", N, D, "float32", META, rows_per_chunk=8)
@@ -194,4 +220,9 @@ def test_fisher_without_the_cached_eigendecomposition_still_equals_dense_float64
     modcos = sum(cross / np.sqrt(qq[:, None] * tt[None, :]) for cross, qq, tt in metric) / len(MODULES)
     np.testing.assert_allclose(all_scores(index, queries, precondition="fisher", damping=0.1), modcos, atol=2e-5)
     inner = sum(cross for cross, _, _ in metric)  # not scale-free, unlike cosine: F must be the mean, not the sum
-    np.testing.assert_allclose(all_scores(index, queries, score="inner", precondition="fisher", damping=0.1), inner, rtol=2e-4, atol=1e-4 * np.abs(inner).max())
+    np.testing.assert_allclose(
+        all_scores(index, queries, score="inner", precondition="fisher", damping=0.1),
+        inner,
+        rtol=2e-4,
+        atol=1e-4 * np.abs(inner).max(),
+    )

@@ -28,7 +28,9 @@ def build_index(path, grads, supervised=None, written=None, ids=None, storage_dt
     supervised = torch.full((n,), 3) if supervised is None else supervised
     writer = IndexWriter(path, n, d, storage_dtype, {**META, **({"modules": modules} if modules else {})})
     for i in range(n) if written is None else written:
-        writer.write([i], grads[i : i + 1], torch.zeros(1), supervised[i : i + 1], torch.zeros(1), [ids[i] if ids else str(i)])
+        writer.write(
+            [i], grads[i : i + 1], torch.zeros(1), supervised[i : i + 1], torch.zeros(1), [ids[i] if ids else str(i)]
+        )
     writer.close()
     return open_index(path)
 
@@ -64,7 +66,13 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     supervised = torch.full((n,), 3)
     supervised[[4, 5, 19]] = 0  # 4, 5 straddle a chunk edge
     # Two "modules": unequal widths take the per-block loop, equal ones the reshaped path.
-    index = build_index(tmp_path / "ix", grads, supervised, written=[i for i in range(n) if i != 8], modules=[{"offset": o, "size": z} for o, z in blocks])
+    index = build_index(
+        tmp_path / "ix",
+        grads,
+        supervised,
+        written=[i for i in range(n) if i != 8],
+        modules=[{"offset": o, "size": z} for o, z in blocks],
+    )
     reference_blocks = blocks if normalize == "module" else None
     valid = np.ones(n, dtype=bool)
     valid[[4, 5, 8, 11, 19]] = False
@@ -110,9 +118,25 @@ def test_inner_and_cosine_on_hand_built_rows(tmp_path):
 def tiny_index(tmp_path, tokenizer, model, rows):
     """The conftest rows indexed by GradientIndexer in a Lightning validate run (float16 storage)."""
     dataset = JsonlDataset(rows, tokenizer, 64)
-    indexer = GradientIndexer(tmp_path / "ix", ["down_proj", "o_proj"], projection_dim=8, storage_dtype="float16", seed=5, meta={"data": {"max_seq_length": 64}})
+    indexer = GradientIndexer(
+        tmp_path / "ix",
+        ["down_proj", "o_proj"],
+        projection_dim=8,
+        storage_dtype="float16",
+        seed=5,
+        meta={"data": {"max_seq_length": 64}},
+    )
     module = CausalLMModule(model)
-    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[indexer], logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[indexer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.validate(module, dataloaders=DataLoader(dataset, batch_size=3, collate_fn=collate))
     return open_index(tmp_path / "ix")
 
@@ -142,39 +166,80 @@ def test_mismatches_are_named_in_one_line(tiny_index, tokenizer, model, rows):
     with pytest.raises(IndexMismatchError) as err:
         query_gradients(tiny_index, narrow, tokenizer, rows)
     message = str(err.value)
-    assert "\n" not in message and "module 'model.layers.0.self_attn.o_proj' is 64x64 here but 32x32 in the index" in message
+    assert (
+        "\n" not in message
+        and "module 'model.layers.0.self_attn.o_proj' is 64x64 here but 32x32 in the index" in message
+    )
     assert "module 'model.layers.1.mlp.down_proj' is 64x128 here but 32x64 in the index" in message
     with pytest.raises(IndexMismatchError, match="module 'model.layers.1.mlp.down_proj' is missing from the model"):
         query_gradients(tiny_index, one_layer, tokenizer, rows)
     with pytest.raises(IndexMismatchError, match="model dtype is 'float64' here but 'float32' in the index"):
         query_gradients(tiny_index, make_model(len(tokenizer)).double(), tokenizer, rows)
     with pytest.raises(IndexMismatchError) as err:
-        check_matches_index(tiny_index, model, {"projection_dim": 16, "seed": 5, "storage_dtype": "float32", "module_filter": "down_proj"})
+        check_matches_index(
+            tiny_index,
+            model,
+            {"projection_dim": 16, "seed": 5, "storage_dtype": "float32", "module_filter": "down_proj"},
+        )
     message = str(err.value)
-    assert "grads.projection_dim is 16 here but 8 in the index; grads.storage_dtype is 'float32' here but 'float16' in the index; " in message
-    assert "grads.module_filter='down_proj' selects 2 modules here, not the 4 modules of the index" in message and "seed" not in message
-    check_matches_index(tiny_index, model, {"projection_dim": 8, "seed": 5, "storage_dtype": "float16", "module_filter": ["o_proj", "down_proj"]})
+    assert (
+        "grads.projection_dim is 16 here but 8 in the index; grads.storage_dtype is 'float32' here but 'float16' in the index; "
+        in message
+    )
+    assert (
+        "grads.module_filter='down_proj' selects 2 modules here, not the 4 modules of the index" in message
+        and "seed" not in message
+    )
+    check_matches_index(
+        tiny_index,
+        model,
+        {"projection_dim": 8, "seed": 5, "storage_dtype": "float16", "module_filter": ["o_proj", "down_proj"]},
+    )
     with pytest.raises(DataError, match="row 2 .* has no supervised token within max_seq_length=8"):
-        query_gradients(tiny_index, model, tokenizer, [rows[1], {"prompt": "what is the color of the sky ?", "completion": " blue"}], max_seq_length=8)
+        query_gradients(
+            tiny_index,
+            model,
+            tokenizer,
+            [rows[1], {"prompt": "what is the color of the sky ?", "completion": " blue"}],
+            max_seq_length=8,
+        )
 
 
 def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    common = ["configs/smollm2.yaml", f"model.name_or_path={saved_model}", f"index.path={tmp_path / 'ix'}", "trainer.accelerator=cpu",
-              "grads.projection_dim=8", "grads.module_filter=[down_proj,q_proj]"]
-    assert main(["index", *common, f"data.train={train}", "grads.batch_size=3", "trainer.enable_progress_bar=false"]) == 0
+    common = [
+        "configs/smollm2.yaml",
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "grads.projection_dim=8",
+        "grads.module_filter=[down_proj,q_proj]",
+    ]
+    assert (
+        main(["index", *common, f"data.train={train}", "grads.batch_size=3", "trainer.enable_progress_bar=false"]) == 0
+    )
     capsys.readouterr()
     out_file = tmp_path / "out" / "results.jsonl"
-    assert main(["query", *common, f"query.data={train}", "query.top_k=3", "query.bottom_k=2", f"query.output={out_file}"]) == 0
+    assert (
+        main(["query", *common, f"query.data={train}", "query.top_k=3", "query.bottom_k=2", f"query.output={out_file}"])
+        == 0
+    )
     printed = capsys.readouterr().out
     results = [json.loads(line) for line in out_file.read_text().splitlines()]
     ids = [str(r.get("id", i)) for i, r in enumerate(ROWS)]
     assert [r["query_id"] for r in results] == ids  # the row without an id falls back to its position
     for position, result in enumerate(results):
         assert set(result) == {"query_id", "results", "opponents"}
-        assert [h["rank"] for h in result["results"]] == [1, 2, 3] and [h["rank"] for h in result["opponents"]] == [1, 2]
+        assert [h["rank"] for h in result["results"]] == [1, 2, 3] and [h["rank"] for h in result["opponents"]] == [
+            1,
+            2,
+        ]
         for hit in result["results"] + result["opponents"]:
-            assert set(hit) == {"rank", "id", "index", "score"} and isinstance(hit["index"], int) and isinstance(hit["score"], float)
+            assert (
+                set(hit) == {"rank", "id", "index", "score"}
+                and isinstance(hit["index"], int)
+                and isinstance(hit["score"], float)
+            )
             assert hit["id"] == ids[hit["index"]]
         scores = [h["score"] for h in result["results"]]
         assert scores == sorted(scores, reverse=True) and result["results"][0]["index"] == position  # self-retrieval
@@ -189,4 +254,3 @@ def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, c
     assert "grads.projection_dim is 4 here but 8 in the index; grads.seed is 1 here but 0 in the index" in err
     assert main(["query", *common, "query.data=null"]) == 2
     assert "setting 'query.data' is required" in capsys.readouterr().err
-

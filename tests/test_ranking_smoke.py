@@ -22,10 +22,16 @@ def setup():
     train = read_jsonl(rq.DATA / "format.train.jsonl")[:10]
     queries = [q for q in read_jsonl(rq.DATA / "format.queries.jsonl")][:3]
     ids = {r["id"] for r in train}
-    train += [r for r in read_jsonl(rq.DATA / "format.train.jsonl") if r["id"] in {s for q in queries for s in q["sources"]} and r["id"] not in ids]
+    train += [
+        r
+        for r in read_jsonl(rq.DATA / "format.train.jsonl")
+        if r["id"] in {s for q in queries for s in q["sources"]} and r["id"] not in ids
+    ]
     import json
 
-    tokenizer = word_tokenizer([json.dumps(r) for r in train + queries] + [rq.TINY_CHAT_TEMPLATE], chat_template=rq.TINY_CHAT_TEMPLATE)
+    tokenizer = word_tokenizer(
+        [json.dumps(r) for r in train + queries] + [rq.TINY_CHAT_TEMPLATE], chat_template=rq.TINY_CHAT_TEMPLATE
+    )
     model = tiny_llama(len(tokenizer), hidden=32, seed=0).eval()
     return model, tokenizer, train, queries
 
@@ -62,9 +68,17 @@ def test_scores_ranks_and_metrics_match_plain_computation(setup):
     cos = rq.filter_scores(grams, names, "cosine")
     torch.testing.assert_close(cos, F.cosine_similarity(qs[:, None, :], ts[None, :, :], dim=-1))
     torch.testing.assert_close(rq.filter_scores(grams, names, "inner"), qs @ ts.T)
+
     # each module block unit-normalised, then cosine of the concatenation
-    unit = lambda x: torch.cat([x[:, o : o + s].double() / x[:, o : o + s].double().norm(dim=1, keepdim=True) for o, s in blocks], 1)  # noqa: E731
-    torch.testing.assert_close(rq.filter_scores(grams, names, "cosine-modnorm"), F.cosine_similarity(unit(q)[:, None, :], unit(t)[None, :, :], dim=-1))
+    def unit(x):
+        return torch.cat(
+            [x[:, o : o + s].double() / x[:, o : o + s].double().norm(dim=1, keepdim=True) for o, s in blocks], 1
+        )
+
+    torch.testing.assert_close(
+        rq.filter_scores(grams, names, "cosine-modnorm"),
+        F.cosine_similarity(unit(q)[:, None, :], unit(t)[None, :, :], dim=-1),
+    )
     # ... which is the mean over modules of per-module cosines
     per_module = torch.stack(
         [F.cosine_similarity(q[:, None, o : o + s].double(), t[None, :, o : o + s].double(), dim=-1) for o, s in blocks]
@@ -72,7 +86,9 @@ def test_scores_ranks_and_metrics_match_plain_computation(setup):
     torch.testing.assert_close(rq.filter_scores(grams, names, "cosine-modnorm"), per_module)
 
     position = {r["id"]: i for i, r in enumerate(train)}
-    sources = [[position[s] for s in query["sources"]] + [0] * (i == 1) for i, query in enumerate(queries)]  # one 2-source query
+    sources = [
+        [position[s] for s in query["sources"]] + [0] * (i == 1) for i, query in enumerate(queries)
+    ]  # one 2-source query
     ranks = rq.first_source_ranks(cos, sources)
     for i, src in enumerate(sources):
         ordered = sorted(range(len(train)), key=lambda j: -cos[i, j].item())
@@ -109,14 +125,37 @@ def test_grid_exact_ceiling_and_adam_rows_equal_per_example_autograd(setup, monk
     with torch.enable_grad():
         dq, dt = dense(queries), dense(train)
     g = torch.Generator().manual_seed(0)
-    scales = {n: (torch.rand(m.out_features, generator=g) + 0.5, torch.rand(m.in_features, generator=g) + 0.5) for n, m in modules.items()}
+    scales = {
+        n: (torch.rand(m.out_features, generator=g) + 0.5, torch.rand(m.in_features, generator=g) + 0.5)
+        for n, m in modules.items()
+    }
     scales.pop(names[0])  # a module without optimizer state stays plain
     q = grid.Captured(modules).run(model, tokenizer, queries)
     t = grid.Captured(modules).run(model, tokenizer, train, queries=q, scales=scales)
-    inner = torch.tensor([[[float((a[m] * b[m]).sum()) for m in range(len(names))] for b in dt] for a in dq], dtype=torch.float64)
+    inner = torch.tensor(
+        [[[float((a[m] * b[m]).sum()) for m in range(len(names))] for b in dt] for a in dq], dtype=torch.float64
+    )
     torch.testing.assert_close(t.inner, inner, rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(t.self_inner, torch.tensor([[float((b[m] ** 2).sum()) for m in range(len(names))] for b in dt], dtype=torch.float64), rtol=1e-4, atol=1e-7)
-    modcos = torch.tensor([[float(torch.stack([F.cosine_similarity(a[m].flatten(), b[m].flatten(), 0) for m in range(len(names))]).mean()) for b in dt] for a in dq], dtype=torch.float64)
+    torch.testing.assert_close(
+        t.self_inner,
+        torch.tensor([[float((b[m] ** 2).sum()) for m in range(len(names))] for b in dt], dtype=torch.float64),
+        rtol=1e-4,
+        atol=1e-7,
+    )
+    modcos = torch.tensor(
+        [
+            [
+                float(
+                    torch.stack(
+                        [F.cosine_similarity(a[m].flatten(), b[m].flatten(), 0) for m in range(len(names))]
+                    ).mean()
+                )
+                for b in dt
+            ]
+            for a in dq
+        ],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(grid.exact_scores(t, q, range(len(names))), modcos, rtol=1e-5, atol=1e-6)
     # adam rows: G ⊙ (1/√r)(1/√c)ᵀ, projected as the plain rows are
     projector = KroneckerProjector(modules, 8, 0)
@@ -124,6 +163,11 @@ def test_grid_exact_ceiling_and_adam_rows_equal_per_example_autograd(setup, monk
         r, c = scales.get(name, (torch.ones(modules[name].out_features), torch.ones(modules[name].in_features)))
         block = projector.blocks[m]
         p_out, p_in = projector.matrices(name, torch.device("cpu"))
-        want = torch.stack([(p_out.double() @ (b[m] * r.double()[:, None] * c.double()[None, :]) @ p_in.double().T).flatten() for b in dt])
+        want = torch.stack(
+            [
+                (p_out.double() @ (b[m] * r.double()[:, None] * c.double()[None, :]) @ p_in.double().T).flatten()
+                for b in dt
+            ]
+        )
         got = t.projected[("adam", 8)][:, block.offset : block.offset + block.size].double()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

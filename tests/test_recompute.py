@@ -31,13 +31,17 @@ def test_recomputed_rows_equal_kept_ones_and_the_model_is_untouched(tokenizer, w
     unit = recomputed_units(model, what)[2]
     assert unit is (model.model.layers[2] if what == "layers" else model.model.layers[2].mlp)
     own = unit.forward
-    unit.forward = lambda *a, **k: calls.append(1) or own(*a, **k)  # an instance-level forward, as accelerate's hooks set
+    unit.forward = lambda *a, **k: (
+        calls.append(1) or own(*a, **k)
+    )  # an instance-level forward, as accelerate's hooks set
     wrapped = unit.forward
     flags = [p.requires_grad for p in model.parameters()]
     torch.manual_seed(5)
     rng = torch.get_rng_state()
     with torch.enable_grad():
-        kept, kept_losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute="none")
+        kept, kept_losses = projected_gradients(
+            model, batch_of(tokenizer), LinearCapture(modules), projector, recompute="none"
+        )
         assert len(calls) == 1
         got, losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute=what)
     assert len(calls) == 3  # the forward and its recomputation both went through the instance's own forward
@@ -56,7 +60,9 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
     capture.output_grads = lambda loss: (_ for _ in ()).throw(RuntimeError("killed in the backward"))
     try:
         with torch.enable_grad():
-            projected_gradients(model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute="layers")
+            projected_gradients(
+                model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute="layers"
+            )
     except RuntimeError as err:
         assert "killed in the backward" in str(err)
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
@@ -65,13 +71,26 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
 
 def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, tokenizer, rows):
 
-    with pytest.raises(ConfigError, match=r"GradientIndexer\(recompute='yes'\) is not allowed; use 'mlp' or 'layers' or 'none'"):
+    with pytest.raises(
+        ConfigError, match=r"GradientIndexer\(recompute='yes'\) is not allowed; use 'mlp' or 'layers' or 'none'"
+    ):
         GradientIndexer(tmp_path / "bad", recompute="yes")
     dataset = JsonlDataset(rows, tokenizer, 64)
     assert GradientIndexer(tmp_path / "default").recompute == "mlp"
     for name, recompute in (("kept", "none"), ("recomputed", "layers")):
-        indexer = GradientIndexer(tmp_path / name, ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", recompute=recompute)
-        trainer = L.Trainer(callbacks=[indexer], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path)
+        indexer = GradientIndexer(
+            tmp_path / name, ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", recompute=recompute
+        )
+        trainer = L.Trainer(
+            callbacks=[indexer],
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+        )
         trainer.validate(ValidateOnly(model), dataloaders=DataLoader(dataset, batch_size=3, collate_fn=collate))
     kept, recomputed = open_index(tmp_path / "kept"), open_index(tmp_path / "recomputed")
     assert recomputed.meta["complete"]
@@ -101,11 +120,27 @@ def test_grads_recompute_reaches_the_indexer_from_the_config(tmp_path, saved_mod
     assert calls and all(c == ("none", 0) for c in calls)
     for what in ("layers", None):  # None: the default, mlp
         calls.clear()
-        recomputed = run_index(index_config(saved_model, data, tmp_path / f"recomputed-{what}", *([f"grads.recompute={what}"] if what else [])))
-        assert calls and all(w == (what or "mlp") and n > 0 for w, n in calls)  # every batch ran with its units recomputed
+        recomputed = run_index(
+            index_config(
+                saved_model, data, tmp_path / f"recomputed-{what}", *([f"grads.recompute={what}"] if what else [])
+            )
+        )
+        assert calls and all(
+            w == (what or "mlp") and n > 0 for w, n in calls
+        )  # every batch ran with its units recomputed
         assert kept["rows"] == recomputed["rows"] == len(ROWS)
-        torch.testing.assert_close(open_index(tmp_path / f"recomputed-{what}").rows(slice(None)), open_index(tmp_path / "kept").rows(slice(None)), rtol=1e-5, atol=1e-7)
-    plans = {r: make_plan(index_config(saved_model, data, tmp_path / "p", f"grads.recompute={r}"))["activation_bytes_per_token"] for r in ("none", "mlp", "layers")}
+        torch.testing.assert_close(
+            open_index(tmp_path / f"recomputed-{what}").rows(slice(None)),
+            open_index(tmp_path / "kept").rows(slice(None)),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+    plans = {
+        r: make_plan(index_config(saved_model, data, tmp_path / "p", f"grads.recompute={r}"))[
+            "activation_bytes_per_token"
+        ]
+        for r in ("none", "mlp", "layers")
+    }
     assert plans["layers"] < plans["mlp"] < plans["none"]
     with pytest.raises(ConfigError, match="setting 'grads.recompute'='all' is not allowed; use mlp or layers or none"):
         make_plan(index_config(saved_model, data, tmp_path / "p", "grads.recompute=all"))

@@ -19,9 +19,20 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml"
 
 
 def index_config(model_dir, data, path, *more):
-    return load_config(CONFIG, [
-        f"model.name_or_path={model_dir}", f"data.train={data}", f"index.path={path}", "grads.batch_size=2", "index.rows_per_chunk=2",
-        "grads.storage_dtype=float32", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", *more])
+    return load_config(
+        CONFIG,
+        [
+            f"model.name_or_path={model_dir}",
+            f"data.train={data}",
+            f"index.path={path}",
+            "grads.batch_size=2",
+            "index.rows_per_chunk=2",
+            "grads.storage_dtype=float32",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+            *more,
+        ],
+    )
 
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])
@@ -71,7 +82,9 @@ def test_read_only_store_is_one_line(tmp_path, saved_model, capsys):
     shutil.make_archive(str(tmp_path / "archive"), "zip", tmp_path / "ix")
     url = f"zip://::file://{tmp_path}/archive.zip"
     archived = open_index(url)
-    assert archived.meta["complete"] and torch.equal(archived.rows(slice(None)), open_index(tmp_path / "ix").rows(slice(None)))
+    assert archived.meta["complete"] and torch.equal(
+        archived.rows(slice(None)), open_index(tmp_path / "ix").rows(slice(None))
+    )
     argv = index_args(tmp_path, saved_model, data)
     code, _, err = run(capsys, *argv[:4], f"index.path={url}", *argv[5:], "index.overwrite=true")
     assert code == 2 and err.startswith(f"gradian index: error: setting 'index.path'='{url}' cannot be written (")

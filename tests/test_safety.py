@@ -18,7 +18,9 @@ def test_nothing_in_the_package_unpickles():
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                names = [a.name for a in node.names] + (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                )
                 offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in UNPICKLERS]
             if isinstance(node, ast.Call):
                 called = ast.unparse(node.func)
@@ -27,7 +29,9 @@ def test_nothing_in_the_package_unpickles():
                     if kwargs.get("weights_only") != "True":
                         offenders.append(f"{path.name}:{node.lineno} calls {called} without weights_only=True")
                 if kwargs.get("allow_pickle") == "True" or kwargs.get("weights_only") == "False":
-                    offenders.append(f"{path.name}:{node.lineno} {called}({', '.join(f'{k}={v}' for k, v in kwargs.items())})")
+                    offenders.append(
+                        f"{path.name}:{node.lineno} {called}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+                    )
                 if kwargs.get("trust_remote_code") == "True":
                     offenders.append(f"{path.name}:{node.lineno} hard-codes trust_remote_code=True")
     assert not offenders, offenders
@@ -46,7 +50,20 @@ def test_index_writes_only_under_index_path_and_stores_no_objects(tmp_path, save
     before = {**files(tmp_path), **files(saved_model)}
     config = Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml"
     target = work / "out" / "ix"
-    assert main(["index", str(config), f"model.name_or_path={saved_model}", f"data.train={data}", f"index.path={target}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]) == 0
+    assert (
+        main(
+            [
+                "index",
+                str(config),
+                f"model.name_or_path={saved_model}",
+                f"data.train={data}",
+                f"index.path={target}",
+                "trainer.accelerator=cpu",
+                "trainer.enable_progress_bar=false",
+            ]
+        )
+        == 0
+    )
     after = {**files(tmp_path), **files(saved_model)}
     changed = [p for p in after if before.get(p) != after[p]]
     assert changed and all(target in p.parents for p in changed), [str(p) for p in changed if target not in p.parents]

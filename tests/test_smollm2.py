@@ -11,8 +11,17 @@ from gradian_lightning.cli import main
 
 def test_index_and_query_smollm2_down_proj(tmp_path, capsys):
     model = smollm2_dir()
-    argv = ["index", str(ROOT / "configs" / "smollm2.yaml"), f"model.name_or_path={model}", f"data.train={ROOT / 'tests/data/prompt_completion.jsonl'}",
-            f"index.path={tmp_path / 'ix'}", "grads.module_filter=down_proj", "grads.projection_dim=16", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    argv = [
+        "index",
+        str(ROOT / "configs" / "smollm2.yaml"),
+        f"model.name_or_path={model}",
+        f"data.train={ROOT / 'tests/data/prompt_completion.jsonl'}",
+        f"index.path={tmp_path / 'ix'}",
+        "grads.module_filter=down_proj",
+        "grads.projection_dim=16",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     index = open_index(tmp_path / "ix")
     rows = index.rows(slice(None)).numpy()
@@ -26,7 +35,10 @@ def test_index_and_query_smollm2_down_proj(tmp_path, capsys):
     queries = tmp_path / "queries.jsonl"
     queries.write_text("".join(json.dumps(r) + "\n" for r in [train[0], train[10]] + paraphrases))
     out = tmp_path / "results.jsonl"
-    assert main(["query", *argv[1:], f"query.data={queries}", "query.top_k=5", "query.bottom_k=1", f"query.output={out}"]) == 0, capsys.readouterr().err
+    assert (
+        main(["query", *argv[1:], f"query.data={queries}", "query.top_k=5", "query.bottom_k=1", f"query.output={out}"])
+        == 0
+    ), capsys.readouterr().err
     printed = capsys.readouterr().out
     results = [json.loads(line) for line in out.read_text().splitlines()]
     ids = [r["id"] for r in train]

@@ -37,13 +37,27 @@ def test_only_the_assistant_turns_are_supervised():
         assert text == tokenizer.apply_chat_template(row["messages"], tokenize=False)
         assistant = [m["content"] + "<|im_end|>\n" for m in row["messages"] if m["role"] == "assistant"]
         assert [tokenizer.decode(run) for run in supervised_runs(example)] == assistant, row["id"]
-        assert not any(m["content"] in tokenizer.decode(run) for m in row["messages"] if m["role"] != "assistant" for run in supervised_runs(example))
+        assert not any(
+            m["content"] in tokenizer.decode(run)
+            for m in row["messages"]
+            if m["role"] != "assistant"
+            for run in supervised_runs(example)
+        )
 
 
 def test_index_and_query_chat_rows_with_the_cli(tmp_path, capsys):
     model = smollm2_dir()
-    argv = ["index", str(ROOT / "configs" / "smollm2.yaml"), f"model.name_or_path={model}", f"data.train={TRAIN}", f"index.path={tmp_path / 'ix'}",
-            "grads.module_filter=down_proj", "grads.projection_dim=16", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    argv = [
+        "index",
+        str(ROOT / "configs" / "smollm2.yaml"),
+        f"model.name_or_path={model}",
+        f"data.train={TRAIN}",
+        f"index.path={tmp_path / 'ix'}",
+        "grads.module_filter=down_proj",
+        "grads.projection_dim=16",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     index = open_index(tmp_path / "ix")
     train = read_jsonl(TRAIN)
@@ -57,11 +71,15 @@ def test_index_and_query_chat_rows_with_the_cli(tmp_path, capsys):
     queries = tmp_path / "queries.jsonl"
     queries.write_text("".join(json.dumps(r) + "\n" for r in [train[0]] + read_jsonl(QUERIES)[:2]))
     out = tmp_path / "results.jsonl"
-    assert main(["query", *argv[1:], f"query.data={queries}", "query.top_k=3", f"query.output={out}"]) == 0, capsys.readouterr().err
+    assert main(["query", *argv[1:], f"query.data={queries}", "query.top_k=3", f"query.output={out}"]) == 0, (
+        capsys.readouterr().err
+    )
     results = [json.loads(line) for line in out.read_text().splitlines()]
     top = {r["query_id"]: [h["id"] for h in r["results"]] for r in results}
     printed = capsys.readouterr().out
     assert top["chat-fr"][0] == "chat-fr"  # a training row finds itself
-    assert top["q-chat-fr"][0] == "chat-fr" and top["q-chat-shakespeare"][0] == "chat-shakespeare"  # paraphrases find their source
+    assert (
+        top["q-chat-fr"][0] == "chat-fr" and top["q-chat-shakespeare"][0] == "chat-shakespeare"
+    )  # paraphrases find their source
     assert results[0]["results"][0]["score"] > 0.99
     assert "query q-chat-fr: Which city is the capital of France? | Paris is the capital of France." in printed

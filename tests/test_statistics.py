@@ -38,7 +38,9 @@ def dense(storage="float16"):
     grads, _ = rows()
     keep = [i for i in range(N) if i not in (4, 6)]
     stored = grads[keep].to(getattr(torch, storage)).double().numpy()
-    gram = np.stack([stored[:, b["offset"] : b["offset"] + 4].T @ stored[:, b["offset"] : b["offset"] + 4] for b in MODULES])
+    gram = np.stack(
+        [stored[:, b["offset"] : b["offset"] + 4].T @ stored[:, b["offset"] : b["offset"] + 4] for b in MODULES]
+    )
     return len(keep), (stored**2).sum(0), gram
 
 

@@ -32,7 +32,14 @@ def rows_with_zeros(seed=0):
 
 
 def write(path, grads, blocks, order=None, writer=None):
-    meta = {**META, **({"modules": [{"name": f"m{i}", "offset": o, "size": s} for i, (o, s) in enumerate(blocks)]} if blocks else {})}
+    meta = {
+        **META,
+        **(
+            {"modules": [{"name": f"m{i}", "offset": o, "size": s} for i, (o, s) in enumerate(blocks)]}
+            if blocks
+            else {}
+        ),
+    }
     writer = writer or IndexWriter(path, N, D, "float16", meta)
     for i in range(N) if order is None else order:
         writer.write([i], grads[i : i + 1], torch.zeros(1), torch.tensor([3]), torch.tensor([0]), [str(i)])
@@ -64,7 +71,9 @@ def test_stored_norms_score_exactly_like_computed_ones_and_like_float64(tmp_path
     write(tmp_path / "ix", grads, blocks, order=list(range(N))[::-1]).close()
     index = open_index(tmp_path / "ix")
     stored = index.rows(slice(None))  # the float16-rounded rows every score is of
-    want_norms = torch.from_numpy(np.stack([np.linalg.norm(stored.double().numpy()[:, o : o + s], axis=1) for o, s in blocks or [(0, D)]], axis=1))
+    want_norms = torch.from_numpy(
+        np.stack([np.linalg.norm(stored.double().numpy()[:, o : o + s], axis=1) for o, s in blocks or [(0, D)]], axis=1)
+    )
     norms = index.stored_norms(0, N)
     assert norms.shape == (N, len(blocks or [0])) and norms.dtype == torch.float32
     torch.testing.assert_close(norms.double(), want_norms, rtol=1e-6, atol=0)
@@ -75,7 +84,9 @@ def test_stored_norms_score_exactly_like_computed_ones_and_like_float64(tmp_path
     assert torch.isfinite(top.scores).all() and torch.isfinite(bottom.scores).all()
     assert top.indices.shape == (4, N - 1)  # row 11 (NaN) is never ranked
     want = reference_scores(queries, stored, blocks)
-    np.testing.assert_allclose(top.scores.numpy(), np.take_along_axis(want, top.indices.numpy(), axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        top.scores.numpy(), np.take_along_axis(want, top.indices.numpy(), axis=1), rtol=1e-5, atol=1e-6
+    )
     # The same index without its stored norms (as written before they existed) computes them: same bits, same ranking.
     old_top, old_bottom = without_norms(tmp_path / "ix").topk(queries, N, bottom_k=N, precondition="none")
     assert torch.equal(old_top.indices, top.indices) and torch.equal(old_top.scores, top.scores)
@@ -90,7 +101,10 @@ def test_preconditioned_scores_do_not_use_the_raw_rows_norms(tmp_path):
     old = without_norms(tmp_path / "old")  # its norms come from the preconditioned rows
     queries = torch.randn(3, D, generator=torch.Generator().manual_seed(2))
     for precondition in ("diag", "fisher"):
-        got, want = open_index(tmp_path / "ix").topk(queries, 10, precondition=precondition), old.topk(queries, 10, precondition=precondition)
+        got, want = (
+            open_index(tmp_path / "ix").topk(queries, 10, precondition=precondition),
+            old.topk(queries, 10, precondition=precondition),
+        )
         assert torch.equal(got.indices, want.indices) and torch.equal(got.scores, want.scores)
 
 
@@ -101,7 +115,18 @@ def test_killed_run_resumes_with_norms_of_every_complete_row(tmp_path):
     del first  # killed: no close()
     group = zarr.open_group(str(tmp_path / "ix"), mode="r")
     assert np.flatnonzero(group["complete"][:]).tolist() == list(range(10))
-    again = write(tmp_path / "ix", grads, blocks, writer=IndexWriter(tmp_path / "ix", N, D, "float16", {**META, "modules": [{"name": f"m{i}", "offset": o, "size": s} for i, (o, s) in enumerate(blocks)]}))
+    again = write(
+        tmp_path / "ix",
+        grads,
+        blocks,
+        writer=IndexWriter(
+            tmp_path / "ix",
+            N,
+            D,
+            "float16",
+            {**META, "modules": [{"name": f"m{i}", "offset": o, "size": s} for i, (o, s) in enumerate(blocks)]},
+        ),
+    )
     assert again.kept_rows == 10 and again.close()
     index = open_index(tmp_path / "ix")
     assert torch.equal(index.stored_norms(0, N), layout.module_norms(index.rows(slice(None)), index.meta["modules"]))
@@ -155,7 +180,14 @@ def test_norms_and_flags_read_in_blocks_line_up_with_their_rows(tmp_path, monkey
     grads = torch.randn(n, D, generator=torch.Generator().manual_seed(4))
     supervised = torch.ones(n, dtype=torch.int64)
     supervised[::7] = 0
-    writer = IndexWriter(tmp_path / "ix", n, D, "float16", {**META, "modules": [{"name": "a", "offset": 0, "size": 4}, {"name": "b", "offset": 4, "size": 4}]}, rows_per_chunk=1000)
+    writer = IndexWriter(
+        tmp_path / "ix",
+        n,
+        D,
+        "float16",
+        {**META, "modules": [{"name": "a", "offset": 0, "size": 4}, {"name": "b", "offset": 4, "size": 4}]},
+        rows_per_chunk=1000,
+    )
     writer.write(range(n), grads, torch.zeros(n), supervised, torch.zeros(n), [str(i) for i in range(n)])
     assert writer.close()
     index = open_index(tmp_path / "ix")

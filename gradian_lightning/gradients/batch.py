@@ -1,8 +1,8 @@
 """One batch -> one projected loss-gradient row per example. Plain torch: no Lightning, no zarr.
 
-    supervised_token_loss (loss.py)  under  LinearCapture hooks (capture.py)
-      -> autograd.grad(sum of per-example losses, module outputs)  -> output-grads
-      -> KroneckerProjector.project(inputs, output-grads)  (projection.py)  -> rows
+supervised_token_loss (loss.py)  under  LinearCapture hooks (capture.py)
+  -> autograd.grad(sum of per-example losses, module outputs)  -> output-grads
+  -> KroneckerProjector.project(inputs, output-grads)  (projection.py)  -> rows
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def projected_gradients(
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if loss_chunk_tokens is not None and any(m is head for m in capture.modules.values()):
-        raise ConfigError(f"setting 'grads.loss_chunk_tokens'={loss_chunk_tokens} runs the output head in chunks of its own, so the head cannot be captured; leave it out of grads.module_filter or set grads.loss_chunk_tokens=null")
+        raise ConfigError(
+            f"setting 'grads.loss_chunk_tokens'={loss_chunk_tokens} runs the output head in chunks of its own, so the head cannot be captured; leave it out of grads.module_filter or set grads.loss_chunk_tokens=null"
+        )
     detached = {f"model.{name}": p.detach() for name, p in model.named_parameters()}
     own_transform, own_output_transform = capture.input_transform, capture.output_transform
     if own_transform is None:
@@ -77,7 +79,14 @@ def projected_gradients(
         # the recomputed layers run again (functional_call restores the model's own after).
         losses, output_grads = functional_call(_Holder(model), detached, (forward_backward,), strict=False)
         token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
-        rows = projector.project(capture.inputs, output_grads, batch["input_ids"].shape[0], token_rows, inputs_projected=own_transform is None, outputs_projected=own_output_transform is None)
+        rows = projector.project(
+            capture.inputs,
+            output_grads,
+            batch["input_ids"].shape[0],
+            token_rows,
+            inputs_projected=own_transform is None,
+            outputs_projected=own_output_transform is None,
+        )
     finally:
         capture.clear()
         capture.input_transform, capture.output_transform = own_transform, own_output_transform

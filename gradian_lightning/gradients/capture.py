@@ -53,7 +53,9 @@ def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear
     own_names = module_aliases(model)
     aliases = {unwrapped_name(name): [unwrapped_name(a) for a in names] for name, names in own_names.items()}
     linears = {unwrapped_name(name): modules[name] for name in own_names}
-    chosen = {name: m for name, m in linears.items() if any(_matches(alias, p) for alias in aliases[name] for p in patterns)}
+    chosen = {
+        name: m for name, m in linears.items() if any(_matches(alias, p) for alias in aliases[name] for p in patterns)
+    }
     if not chosen:
         # Layer numbers make the list long and repetitive; show each distinct shape once.
         shapes = sorted({".".join("N" if part.isdigit() else part for part in name.split(".")) for name in linears})
@@ -99,7 +101,9 @@ class LinearCapture:
     """
 
     def __init__(
-        self, modules: Dict[str, nn.Linear], input_transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
+        self,
+        modules: Dict[str, nn.Linear],
+        input_transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
         output_transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
     ) -> None:
         self.modules = modules
@@ -108,7 +112,9 @@ class LinearCapture:
         self.inputs: Dict[str, torch.Tensor] = {}
         self.outputs: Dict[str, torch.Tensor] = {}
         self.grads: Dict[str, torch.Tensor] = {}  # output_transform of each output-gradient, filled by the taps
-        self._shapes: Dict[str, tuple] = {}  # (shape, dtype, device) of each captured output, for modules the loss never reached
+        self._shapes: Dict[
+            str, tuple
+        ] = {}  # (shape, dtype, device) of each captured output, for modules the loss never reached
         self._anchor: Optional[torch.Tensor] = None
         self._handles: List[torch.utils.hooks.RemovableHandle] = []
         self._recomputing = False
@@ -130,7 +136,9 @@ class LinearCapture:
                     output.requires_grad_(True)  # the recomputed graph must save what the first one saved
                 return
             if name in self._shapes:
-                raise GradianError(f"module {name!r} ran twice in one forward; shared modules cannot be captured, leave it out of grads.module_filter")
+                raise GradianError(
+                    f"module {name!r} ran twice in one forward; shared modules cannot be captured, leave it out of grads.module_filter"
+                )
             self._shapes[name] = (output.shape, output.dtype, output.device)
             x = args[0].detach()
             self.inputs[name] = x if self.input_transform is None else self.input_transform(name, x)
@@ -161,7 +169,9 @@ class LinearCapture:
         names = list(self.modules)
         missing = [n for n in names if n not in self._shapes]
         if missing:
-            raise GradianError(f"modules {missing} did not run in the forward pass; remove them from grads.module_filter")
+            raise GradianError(
+                f"modules {missing} did not run in the forward pass; remove them from grads.module_filter"
+            )
         if self.output_transform is None:
             grads = torch.autograd.grad(loss, [self.outputs[n] for n in names], materialize_grads=True)
             return dict(zip(names, grads))

@@ -97,31 +97,57 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return _TokenCrossEntropy.apply(logits, targets)
 
 
-def _head_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _head_cross_entropy(
+    hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     return token_cross_entropy(F.linear(hidden, weight, bias).float(), targets)
 
 
-def _chunked_token_loss(model: nn.Module, inputs: Dict[str, Any], keep: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, parameters: Optional[Dict[str, torch.Tensor]]) -> torch.Tensor:
+def _chunked_token_loss(
+    model: nn.Module,
+    inputs: Dict[str, Any],
+    keep: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    parameters: Optional[Dict[str, torch.Tensor]],
+) -> torch.Tensor:
     """Token losses [n_supervised] fp32 from the decoder's hidden states, head + cross-entropy in checkpointed chunks."""
     if chunk_tokens < 1:
-        raise ConfigError(f"setting 'grads.loss_chunk_tokens'={chunk_tokens!r} is not allowed; use an integer >= 1, or null for the whole batch at once")
+        raise ConfigError(
+            f"setting 'grads.loss_chunk_tokens'={chunk_tokens!r} is not allowed; use an integer >= 1, or null for the whole batch at once"
+        )
     config = getattr(model, "config", None)
     transforms = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if transforms or not isinstance(head, nn.Linear) or decoder is None or decoder is model:
-        why = f"its logits go through {', '.join(transforms)} after the head" if transforms else "it has no nn.Linear output head over a separate decoder"
-        raise ConfigError(f"setting 'grads.loss_chunk_tokens'={chunk_tokens} cannot be used with {type(model).__name__}: {why}; set grads.loss_chunk_tokens=null")
+        why = (
+            f"its logits go through {', '.join(transforms)} after the head"
+            if transforms
+            else "it has no nn.Linear output head over a separate decoder"
+        )
+        raise ConfigError(
+            f"setting 'grads.loss_chunk_tokens'={chunk_tokens} cannot be used with {type(model).__name__}: {why}; set grads.loss_chunk_tokens=null"
+        )
     names = {id(m): n for n, m in model.named_modules()}
     prefix = names[id(decoder)] + "."
-    decoder_parameters = None if parameters is None else {n[len(prefix):]: p for n, p in parameters.items() if n.startswith(prefix)}
+    decoder_parameters = (
+        None if parameters is None else {n[len(prefix) :]: p for n, p in parameters.items() if n.startswith(prefix)}
+    )
     hidden = _call(decoder, decoder_parameters, **inputs, use_cache=False).last_hidden_state[keep]  # [n_supervised, H]
     head_name = names[id(head)]
     # The head's tensors are read now, not at recompute time: detached ones stay detached in the backward.
     weight = head.weight if parameters is None else parameters.get(f"{head_name}.weight", head.weight)
     bias = head.bias if parameters is None or head.bias is None else parameters.get(f"{head_name}.bias", head.bias)
     parts = [
-        checkpoint(_head_cross_entropy, hidden[i : i + chunk_tokens], targets[i : i + chunk_tokens], weight, bias, use_reentrant=False)
+        checkpoint(
+            _head_cross_entropy,
+            hidden[i : i + chunk_tokens],
+            targets[i : i + chunk_tokens],
+            weight,
+            bias,
+            use_reentrant=False,
+        )
         for i in range(0, hidden.shape[0], chunk_tokens)
     ]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)

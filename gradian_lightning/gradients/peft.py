@@ -36,12 +36,16 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 
 def is_lora_layer(module: nn.Module) -> bool:
     """A PEFT LoRA wrapper: a `base_layer` and `lora_A`/`lora_B` dicts of adapters."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(
+        getattr(module, "lora_A", None), nn.ModuleDict
+    )
 
 
 def _adapter_runs(wrapper: nn.Module, adapter: str) -> bool:
     active = getattr(wrapper, "active_adapters", None) or []
-    return adapter in active and not getattr(wrapper, "disable_adapters", False) and not getattr(wrapper, "merged", False)
+    return (
+        adapter in active and not getattr(wrapper, "disable_adapters", False) and not getattr(wrapper, "merged", False)
+    )
 
 
 def module_aliases(model: nn.Module) -> Dict[str, List[str]]:

@@ -149,6 +149,13 @@ class KroneckerProjector:
     def describe(self) -> List[Dict[str, object]]:
         """The row layout as plain data, for the index attributes."""
         return [
-            {"name": b.name, "out_features": b.out_features, "in_features": b.in_features, "shape": list(b.shape), "offset": b.offset, "size": b.size}
+            {
+                "name": b.name,
+                "out_features": b.out_features,
+                "in_features": b.in_features,
+                "shape": list(b.shape),
+                "offset": b.offset,
+                "size": b.size,
+            }
             for b in self.blocks
         ]

@@ -74,7 +74,9 @@ def recomputed_modules(model: nn.Module, capture: LinearCapture, what: str) -> I
     is still captured once. The forward and the backward must both run inside this context.
     """
     units = recomputed_units(model, what)
-    own = [unit.__dict__.get("forward") for unit in units]  # an instance-level forward (e.g. accelerate's hooks) is kept and called
+    own = [
+        unit.__dict__.get("forward") for unit in units
+    ]  # an instance-level forward (e.g. accelerate's hooks) is kept and called
 
     def recomputed(inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:

@@ -50,14 +50,18 @@ def find_causal_lm(pl_module: nn.Module, attribute: Optional[str] = None) -> nn.
         for part in attribute.split("."):
             model = getattr(model, part, None)
             if model is None:
-                raise ConfigError(f"GradientIndexer(model_attribute={attribute!r}): {type(pl_module).__name__} has no attribute {part!r}")
+                raise ConfigError(
+                    f"GradientIndexer(model_attribute={attribute!r}): {type(pl_module).__name__} has no attribute {part!r}"
+                )
         return unwrap_peft(model)
     from transformers import PreTrainedModel
 
     for _, module in pl_module.named_modules():
         if isinstance(module, PreTrainedModel):
             return module
-    raise ConfigError(f"GradientIndexer found no transformers PreTrainedModel inside {type(pl_module).__name__}; pass model_attribute='name_of_the_model_attribute'")
+    raise ConfigError(
+        f"GradientIndexer found no transformers PreTrainedModel inside {type(pl_module).__name__}; pass model_attribute='name_of_the_model_attribute'"
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -68,15 +72,29 @@ def _check_arguments(**given: Any) -> None:
     """The `GradientIndexer` arguments that no config schema checked, each as one `ConfigError` line."""
     path = given["path"]
     rules = {
-        "path": (isinstance(path, (str, os.PathLike)) and bool(str(path).strip()), "a non-empty directory path (str or Path)"),
+        "path": (
+            isinstance(path, (str, os.PathLike)) and bool(str(path).strip()),
+            "a non-empty directory path (str or Path)",
+        ),
         "seed": (_is_int(given["seed"]), "an integer"),
         "dataloader_idx": (_is_int(given["dataloader_idx"]) and given["dataloader_idx"] >= 0, "an integer >= 0"),
-        "model_attribute": (given["model_attribute"] is None or (isinstance(given["model_attribute"], str) and bool(given["model_attribute"].strip())), "None or a dotted attribute name such as 'model'"),
+        "model_attribute": (
+            given["model_attribute"] is None
+            or (isinstance(given["model_attribute"], str) and bool(given["model_attribute"].strip())),
+            "None or a dotted attribute name such as 'model'",
+        ),
         "overwrite": (isinstance(given["overwrite"], bool), "True or False"),
         "verbose": (isinstance(given["verbose"], bool), "True or False"),
         "meta": (given["meta"] is None or isinstance(given["meta"], dict), "None or a dict of JSON data"),
-        "rows_per_chunk": (given["rows_per_chunk"] is None or (_is_int(given["rows_per_chunk"]) and given["rows_per_chunk"] >= 1), "None or an integer >= 1"),
-        "loss_chunk_tokens": (given["loss_chunk_tokens"] is None or (_is_int(given["loss_chunk_tokens"]) and given["loss_chunk_tokens"] >= 1), "None or an integer >= 1"),
+        "rows_per_chunk": (
+            given["rows_per_chunk"] is None or (_is_int(given["rows_per_chunk"]) and given["rows_per_chunk"] >= 1),
+            "None or an integer >= 1",
+        ),
+        "loss_chunk_tokens": (
+            given["loss_chunk_tokens"] is None
+            or (_is_int(given["loss_chunk_tokens"]) and given["loss_chunk_tokens"] >= 1),
+            "None or an integer >= 1",
+        ),
         "checkpoints": (isinstance(given["checkpoints"], bool), "True or False"),
         "every_n_val_runs": (_is_int(given["every_n_val_runs"]) and given["every_n_val_runs"] >= 1, "an integer >= 1"),
         "recompute": (given["recompute"] in RECOMPUTE, " or ".join(repr(r) for r in RECOMPUTE)),
@@ -87,11 +105,16 @@ def _check_arguments(**given: Any) -> None:
     try:
         str(path).format(step=0)
     except (KeyError, IndexError, ValueError):
-        raise ConfigError(f"GradientIndexer(path={str(path)!r}): the only placeholder a path may hold is {{step}}; write other braces twice ({{{{ and }}}})") from None
+        raise ConfigError(
+            f"GradientIndexer(path={str(path)!r}): the only placeholder a path may hold is {{step}}; write other braces twice ({{{{ and }}}})"
+        ) from None
     try:
         json.dumps(given["meta"] or {}, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"GradientIndexer(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None") from None
+        raise ConfigError(
+            f"GradientIndexer(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None"
+        ) from None
+
 
 def check_strategy(strategy: Any) -> None:
     """Refuse Lightning's FSDPStrategy (FSDP1) in one line; every other strategy is fine.
@@ -172,11 +195,27 @@ class GradientIndexer(L.Callback):
         recompute: str = DEFAULT_RECOMPUTE,
     ) -> None:
         if storage_dtype not in STORAGE_DTYPES:
-            raise ConfigError(f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}")
+            raise ConfigError(
+                f"setting 'grads.storage_dtype'={storage_dtype!r} is not allowed; use {' or '.join(STORAGE_DTYPES)}"
+            )
         if projection_dim is not None and (not _is_int(projection_dim) or projection_dim < 1):
-            raise ConfigError(f"setting 'grads.projection_dim'={projection_dim!r} is not allowed; use an integer >= 1, or null for exact gradients")
-        _check_arguments(path=path, seed=seed, dataloader_idx=dataloader_idx, model_attribute=model_attribute, overwrite=overwrite, meta=meta, verbose=verbose, rows_per_chunk=rows_per_chunk, loss_chunk_tokens=loss_chunk_tokens,
-                         checkpoints=checkpoints, every_n_val_runs=every_n_val_runs, recompute=recompute)
+            raise ConfigError(
+                f"setting 'grads.projection_dim'={projection_dim!r} is not allowed; use an integer >= 1, or null for exact gradients"
+            )
+        _check_arguments(
+            path=path,
+            seed=seed,
+            dataloader_idx=dataloader_idx,
+            model_attribute=model_attribute,
+            overwrite=overwrite,
+            meta=meta,
+            verbose=verbose,
+            rows_per_chunk=rows_per_chunk,
+            loss_chunk_tokens=loss_chunk_tokens,
+            checkpoints=checkpoints,
+            every_n_val_runs=every_n_val_runs,
+            recompute=recompute,
+        )
         self.path_template = str(path)
         self.patterns = module_patterns(module_filter)
         self.projection_dim, self.storage_dtype, self.seed = projection_dim, storage_dtype, seed
@@ -201,10 +240,17 @@ class GradientIndexer(L.Callback):
     @property
     def state_key(self) -> str:
         # Two indexers in one Trainer (say, two module filters) need separate checkpoint entries.
-        return self._generate_state_key(path=self.path_template, module_filter=self.patterns, dataloader_idx=self.dataloader_idx)
+        return self._generate_state_key(
+            path=self.path_template, module_filter=self.patterns, dataloader_idx=self.dataloader_idx
+        )
 
     def _settings(self) -> Dict[str, Any]:
-        return {"module_filter": self.patterns, "projection_dim": self.projection_dim, "storage_dtype": self.storage_dtype, "seed": self.seed}
+        return {
+            "module_filter": self.patterns,
+            "projection_dim": self.projection_dim,
+            "storage_dtype": self.storage_dtype,
+            "seed": self.seed,
+        }
 
     def state_dict(self) -> Dict[str, Any]:
         """What a resumed fit needs: the finished runs (step, path, rows, complete), the settings and
@@ -217,8 +263,12 @@ class GradientIndexer(L.Callback):
         self._val_runs = int(state_dict.get("val_runs", 0))  # every_n_val_runs counts on across the resume
         saved = state_dict.get("settings")
         if saved is not None and saved != self._settings():
-            changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._settings().items() if saved.get(k) != v)
-            rank_zero_warn(f"GradientIndexer: resumed from a checkpoint indexed with other settings ({changed}); indexes written after the resume are not comparable with earlier ones")
+            changed = ", ".join(
+                f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._settings().items() if saved.get(k) != v
+            )
+            rank_zero_warn(
+                f"GradientIndexer: resumed from a checkpoint indexed with other settings ({changed}); indexes written after the resume are not comparable with earlier ones"
+            )
 
     # -- set-up ---------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -251,26 +301,48 @@ class GradientIndexer(L.Callback):
         loaders = trainer.val_dataloaders
         loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
         if self.dataloader_idx >= len(loaders):
-            raise ConfigError(f"GradientIndexer(dataloader_idx={self.dataloader_idx}) but there are {len(loaders)} validation dataloaders")
+            raise ConfigError(
+                f"GradientIndexer(dataloader_idx={self.dataloader_idx}) but there are {len(loaders)} validation dataloaders"
+            )
         dataset = getattr(loaders[self.dataloader_idx], "dataset", None)
         try:
             return len(dataset)
         except TypeError:
-            raise ConfigError("GradientIndexer needs a dataloader over a map-style dataset with a length (rows land at dataset positions)") from None
+            raise ConfigError(
+                "GradientIndexer needs a dataloader over a map-style dataset with a length (rows land at dataset positions)"
+            ) from None
 
     def _meta(self, trainer: L.Trainer, num_rows: int) -> Dict[str, Any]:
         config = getattr(self.model, "config", None)
         model = {
             "class": type(self.model).__name__,
-            "name_or_path": getattr(config, "_name_or_path", None) or self.extra_meta.get("model", {}).get("name_or_path"),
+            "name_or_path": getattr(config, "_name_or_path", None)
+            or self.extra_meta.get("model", {}).get("name_or_path"),
             "revision": self.extra_meta.get("model", {}).get("revision"),
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "vocab_size": getattr(config, "vocab_size", None),
         }
-        projection = {"kind": "kronecker_gaussian" if self.projection_dim else "exact", "dim": self.projection_dim, "seed": self.seed}
+        projection = {
+            "kind": "kronecker_gaussian" if self.projection_dim else "exact",
+            "dim": self.projection_dim,
+            "seed": self.seed,
+        }
         modules = self.projector.describe()
-        identity = {"model": model["name_or_path"], "modules": modules, "projection": projection, "storage_dtype": self.storage_dtype, "data": self.extra_meta.get("data")}
-        indexer = {"path": self.path_template, "module_filter": self.patterns, "projection_dim": self.projection_dim, "storage_dtype": self.storage_dtype, "seed": self.seed, "dataloader_idx": self.dataloader_idx}
+        identity = {
+            "model": model["name_or_path"],
+            "modules": modules,
+            "projection": projection,
+            "storage_dtype": self.storage_dtype,
+            "data": self.extra_meta.get("data"),
+        }
+        indexer = {
+            "path": self.path_template,
+            "module_filter": self.patterns,
+            "projection_dim": self.projection_dim,
+            "storage_dtype": self.storage_dtype,
+            "seed": self.seed,
+            "dataloader_idx": self.dataloader_idx,
+        }
         return {
             **self.extra_meta,
             "indexer": indexer,
@@ -298,47 +370,94 @@ class GradientIndexer(L.Callback):
             meta = self._meta(trainer, num_rows)
             if self.checkpoints:
                 step = int(trainer.global_step) if self.step is None else int(self.step)
-                lr = self.lr if self.lr is not None else (trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None)
-                meta = {**meta, "global_step": step, "lr": lr, "num_rows": num_rows, "width": self.projector.width, "storage_dtype": self.storage_dtype}
+                lr = (
+                    self.lr
+                    if self.lr is not None
+                    else (trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None)
+                )
+                meta = {
+                    **meta,
+                    "global_step": step,
+                    "lr": lr,
+                    "num_rows": num_rows,
+                    "width": self.projector.width,
+                    "storage_dtype": self.storage_dtype,
+                }
                 self._checkpoint = (path, step, lr)
                 path = register_checkpoint(path, step, lr, meta, complete=False, overwrite=self.overwrite)
-            self._writer = IndexWriter(path, num_rows, self.projector.width, self.storage_dtype, meta, self.overwrite, self.rows_per_chunk)
+            self._writer = IndexWriter(
+                path, num_rows, self.projector.width, self.storage_dtype, meta, self.overwrite, self.rows_per_chunk
+            )
             todo = self._writer.todo
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self._rows_done = 0
-        self._rows_wanted = int(np.count_nonzero(self._todo)) if self._todo is not None else 0  # rows this run will write
+        self._rows_wanted = (
+            int(np.count_nonzero(self._todo)) if self._todo is not None else 0
+        )  # rows this run will write
         self._started = time.perf_counter()
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if not self._active(trainer, dataloader_idx) or self._todo is None:
             return
         if not isinstance(batch, dict) or "index" not in batch:
-            raise GradianError("GradientIndexer needs dict batches with an 'index' entry (dataset positions); use gradian_lightning.data.collate or add batch['index']")
+            raise GradianError(
+                "GradientIndexer needs dict batches with an 'index' entry (dataset positions); use gradian_lightning.data.collate or add batch['index']"
+            )
         index = batch["index"]
         wanted = torch.as_tensor(self._todo[index.cpu().numpy()], device=index.device)
         rows, losses, supervised = self._compute(trainer, pl_module, batch, wanted)
         truncated = batch.get("truncated_tokens", torch.full_like(index, -1))
         ids = list(batch["id"]) if "id" in batch else [str(int(i)) for i in index]
         if trainer.world_size > 1:
-            gathered = pl_module.all_gather({"rows": rows, "loss": losses, "sup": supervised, "trunc": truncated, "index": index, "wanted": wanted})
-            rows, losses, supervised, truncated, index, wanted = (gathered[k].flatten(0, 1) for k in ("rows", "loss", "sup", "trunc", "index", "wanted"))
+            gathered = pl_module.all_gather(
+                {"rows": rows, "loss": losses, "sup": supervised, "trunc": truncated, "index": index, "wanted": wanted}
+            )
+            rows, losses, supervised, truncated, index, wanted = (
+                gathered[k].flatten(0, 1) for k in ("rows", "loss", "sup", "trunc", "index", "wanted")
+            )
             all_ids: List[List[str]] = [None] * trainer.world_size  # type: ignore[list-item]
             torch.distributed.all_gather_object(all_ids, ids)
             ids = [i for part in all_ids for i in part]
         if trainer.is_global_zero:
             keep = wanted.cpu().numpy()
             self._writer.write(
-                index.cpu().numpy()[keep], rows[wanted].cpu(), losses[wanted].cpu(), supervised[wanted].cpu(), truncated[wanted].cpu(), [i for i, k in zip(ids, keep) if k]
+                index.cpu().numpy()[keep],
+                rows[wanted].cpu(),
+                losses[wanted].cpu(),
+                supervised[wanted].cpu(),
+                truncated[wanted].cpu(),
+                [i for i, k in zip(ids, keep) if k],
             )
             self._rows_done += int(keep.sum())
             for name, value in self._progress().items():
-                pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=len(keep), rank_zero_only=True)
+                pl_module.log(
+                    name,
+                    value,
+                    prog_bar=True,
+                    logger=False,
+                    on_step=True,
+                    on_epoch=False,
+                    batch_size=len(keep),
+                    rank_zero_only=True,
+                )
 
     def _progress(self) -> Dict[str, float]:
         """The progress bar's numbers: rows written this run, rows per second, and seconds left at that rate."""
         rate = self._rows_done / max(time.perf_counter() - self._started, 1e-9)
         left = max(self._rows_wanted - self._rows_done, 0)
-        return {"gradian_rows": float(self._rows_done), "gradian_rows_per_s": rate, "gradian_eta_s": left / rate if rate > 0 else float("inf")}
+        return {
+            "gradian_rows": float(self._rows_done),
+            "gradian_rows_per_s": rate,
+            "gradian_eta_s": left / rate if rate > 0 else float("inf"),
+        }
 
     def _compute(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Dict[str, Any], wanted: torch.Tensor):
         """Rows [B, D] float32 (zeros where not wanted), losses [B] float32, supervised counts [B]."""
@@ -352,10 +471,22 @@ class GradientIndexer(L.Callback):
         # Lightning validates under torch.inference_mode by default; autograd needs it lifted, and
         # tensors made under it are only usable as inputs (indexing below makes ordinary copies).
         # fork_rng: a model left in train mode (dropout) must not advance the user's RNG.
-        with torch.random.fork_rng(devices=devices, device_type=pl_module.device.type), torch.inference_mode(False), torch.enable_grad():
+        with (
+            torch.random.fork_rng(devices=devices, device_type=pl_module.device.type),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
             sub = {k: batch[k][wanted] for k in ("input_ids", "attention_mask", "labels") if k in batch}
             try:
-                sub_rows, sub_losses = projected_gradients(self.model, sub, self.capture, self.projector, trainer.precision_plugin.forward_context(), self.loss_chunk_tokens, self.recompute)
+                sub_rows, sub_losses = projected_gradients(
+                    self.model,
+                    sub,
+                    self.capture,
+                    self.projector,
+                    trainer.precision_plugin.forward_context(),
+                    self.loss_chunk_tokens,
+                    self.recompute,
+                )
             except torch.OutOfMemoryError:
                 raise self._out_of_memory(batch, wanted) from None
             except RuntimeError as err:  # MPS reports running out of memory as a plain RuntimeError
@@ -372,7 +503,9 @@ class GradientIndexer(L.Callback):
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         vocab = getattr(head, "out_features", None) or getattr(getattr(self.model, "config", None), "vocab_size", None)
         max_len = (self.extra_meta.get("data") or {}).get("max_seq_length")  # known when run from a config
-        batch_size = ((self.extra_meta.get("config") or {}).get("grads") or {}).get("batch_size", batch["input_ids"].shape[0])
+        batch_size = ((self.extra_meta.get("config") or {}).get("grads") or {}).get(
+            "batch_size", batch["input_ids"].shape[0]
+        )
         chunk = self.loss_chunk_tokens
         peak = f"{human_bytes(fp32_logit_bytes(n_supervised, vocab, chunk))}" if vocab else "unknown (vocab unknown)"
         rows = batch["index"][wanted]
@@ -380,7 +513,8 @@ class GradientIndexer(L.Callback):
         lever = SUGGESTED_LOSS_CHUNK_TOKENS
         third = (
             f"or set grads.loss_chunk_tokens={lever} (the same rows; the fp32 logits then need at most {human_bytes(fp32_logit_bytes(lever, vocab))} whatever the batch); "
-            if chunk is None and vocab and n_supervised > lever else ""
+            if chunk is None and vocab and n_supervised > lever
+            else ""
         )
         return DeviceOutOfMemoryError(
             f"device out of memory indexing rows {int(rows.min())}-{int(rows.max())}: a batch of {int(wanted.sum())} rows "
@@ -401,11 +535,18 @@ class GradientIndexer(L.Callback):
                 register_checkpoint(root, step, lr, writer.meta, complete=complete)
                 self._checkpoint = None
             self.summary = {**summarize(writer, complete), "computed_rows": self._rows_done}
-        run = {"step": int(trainer.global_step), "path": self.path_template.format(step=trainer.global_step), "rows": None, "complete": None}
+        run = {
+            "step": int(trainer.global_step),
+            "path": self.path_template.format(step=trainer.global_step),
+            "rows": None,
+            "complete": None,
+        }
         if self.summary is not None and trainer.is_global_zero:
             run.update(rows=self.summary["rows"], complete=self.summary["complete"])
             if self.verbose:
-                rank_zero_info(f"GradientIndexer: step {run['step']}: {run['rows']}/{self.summary['num_rows']} rows in {run['path']} ({'complete' if run['complete'] else 'INCOMPLETE'})")
+                rank_zero_info(
+                    f"GradientIndexer: step {run['step']}: {run['rows']}/{self.summary['num_rows']} rows in {run['path']} ({'complete' if run['complete'] else 'INCOMPLETE'})"
+                )
         self.runs = [r for r in self.runs if r["step"] != run["step"]] + [run]  # a re-run of a step replaces its entry
         self._todo = None
         trainer.strategy.barrier()

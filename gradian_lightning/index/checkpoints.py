@@ -32,10 +32,19 @@ def checkpoint_entries(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The checkpoints of an index, oldest first; a one-checkpoint index is one entry with group ""."""
     if "checkpoints" in meta:
         return [dict(e) for e in meta["checkpoints"]]
-    return [{"step": int(meta.get("global_step") or 0), "lr": meta.get("lr"), "group": "", "complete": bool(meta.get("complete"))}]
+    return [
+        {
+            "step": int(meta.get("global_step") or 0),
+            "lr": meta.get("lr"),
+            "group": "",
+            "complete": bool(meta.get("complete")),
+        }
+    ]
 
 
-def register_checkpoint(root: str | Path, step: int, lr: Optional[float], meta: Dict[str, Any], complete: bool, overwrite: bool = False) -> str:
+def register_checkpoint(
+    root: str | Path, step: int, lr: Optional[float], meta: Dict[str, Any], complete: bool, overwrite: bool = False
+) -> str:
     """Create or update the root of a checkpointed index and list checkpoint `step` in it; returns its path.
 
     `meta` is the checkpoint's metadata (the root attribute mirrors the newest checkpoint's, so
@@ -46,9 +55,14 @@ def register_checkpoint(root: str | Path, step: int, lr: Optional[float], meta: 
     old = _root_meta(root)
     if root.exists() and (old is None or "checkpoints" not in old or _rows_layout(old) != _rows_layout(meta)):
         if not overwrite:
-            what = "a Gradian index of another configuration" if old is not None and "checkpoints" in old else (
-                "a one-checkpoint Gradian index" if old is not None else "something that is not a Gradian index")
-            raise ConfigError(f"index.path {str(root)!r} holds {what}, not checkpoints of this job; choose another index.path or pass index.overwrite=true to replace it")
+            what = (
+                "a Gradian index of another configuration"
+                if old is not None and "checkpoints" in old
+                else ("a one-checkpoint Gradian index" if old is not None else "something that is not a Gradian index")
+            )
+            raise ConfigError(
+                f"index.path {str(root)!r} holds {what}, not checkpoints of this job; choose another index.path or pass index.overwrite=true to replace it"
+            )
         root.remove()
         old = None
     group = root.open_group("a")
@@ -57,7 +71,12 @@ def register_checkpoint(root: str | Path, step: int, lr: Optional[float], meta: 
     entries.append({"step": int(step), "lr": lr, "group": checkpoint_group(step), "complete": bool(complete)})
     entries.sort(key=lambda e: e["step"])
     newest = meta if int(step) >= entries[-1]["step"] else dict((old or meta))
-    group.attrs[ATTRIBUTE] = {**newest, "format_version": FORMAT_VERSION, "checkpoints": entries, "complete": all(e["complete"] for e in entries)}
+    group.attrs[ATTRIBUTE] = {
+        **newest,
+        "format_version": FORMAT_VERSION,
+        "checkpoints": entries,
+        "complete": all(e["complete"] for e in entries),
+    }
     return f"{str(root).rstrip('/')}/{checkpoint_group(step)}"
 
 
@@ -90,7 +109,9 @@ def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tu
         steps = [int(s) for s in (which if isinstance(which, (list, tuple)) else [which])]
         missing = [s for s in steps if s not in by_step]
         if missing or not steps:
-            raise ConfigError(f"setting 'query.checkpoints'={which!r} names steps {missing} that the index does not hold; use last, all, or a list of its steps {sorted(by_step)}")
+            raise ConfigError(
+                f"setting 'query.checkpoints'={which!r} names steps {missing} that the index does not hold; use last, all, or a list of its steps {sorted(by_step)}"
+            )
         chosen = [by_step[s] for s in steps]
     if len(chosen) == 1:
         return [(chosen[0], 1.0)]

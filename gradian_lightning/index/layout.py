@@ -92,7 +92,13 @@ def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.
     """
     if equal_block_size(blocks, rows.shape[1]) is not None:  # projected: one norm over a [n, M, k²] view
         return torch.linalg.vector_norm(rows.view(rows.shape[0], len(blocks), -1), dim=2)
-    return torch.stack([torch.linalg.vector_norm(rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])], dim=1) for b in blocks], dim=1)
+    return torch.stack(
+        [
+            torch.linalg.vector_norm(rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])], dim=1)
+            for b in blocks
+        ],
+        dim=1,
+    )
 
 
 def fingerprint(parts: Dict[str, Any]) -> str:
@@ -112,7 +118,9 @@ def read_meta(path: str | Path | Location) -> Dict[str, Any]:
         group = path.open_group("r")
         meta = dict(group.attrs[ATTRIBUTE])
     except Exception:
-        raise IndexFormatError(f"{str(path)!r} is not a Gradian index (no zarr group with a '{ATTRIBUTE}' attribute); point index.path at one written by `gradian index`") from None
+        raise IndexFormatError(
+            f"{str(path)!r} is not a Gradian index (no zarr group with a '{ATTRIBUTE}' attribute); point index.path at one written by `gradian index`"
+        ) from None
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
         raise IndexFormatError(

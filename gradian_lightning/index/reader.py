@@ -41,9 +41,15 @@ class IndexReader:
         # A checkpointed index (checkpoints.py) reads as its newest checkpoint unless told which.
         self.checkpoints = checkpoint_entries(self.meta)
         steps = [int(e["step"]) for e in self.checkpoints]
-        entry = self.checkpoints[-1] if checkpoint is None or checkpoint not in steps else self.checkpoints[steps.index(checkpoint)]
+        entry = (
+            self.checkpoints[-1]
+            if checkpoint is None or checkpoint not in steps
+            else self.checkpoints[steps.index(checkpoint)]
+        )
         if checkpoint is not None and checkpoint not in steps:
-            raise IndexFormatError(f"{str(self.path)!r} holds no checkpoint at step {checkpoint}; its steps are {steps}")
+            raise IndexFormatError(
+                f"{str(self.path)!r} holds no checkpoint at step {checkpoint}; its steps are {steps}"
+            )
         self.step = int(entry["step"])
         if entry["group"]:
             self.group = self.group[entry["group"]]
@@ -81,7 +87,9 @@ class IndexReader:
         start, mask = self._mask
         if not (start <= lo and hi <= start + len(mask)):
             rows = self._span(lo, hi, self.group["complete"].chunks[0], 6)  # bool, bool, int32 per row
-            mask = self.group["complete"][rows] & self.group["finite"][rows] & (self.group["supervised_tokens"][rows] > 0)
+            mask = (
+                self.group["complete"][rows] & self.group["finite"][rows] & (self.group["supervised_tokens"][rows] > 0)
+            )
             self._mask = (rows.start, mask)
             start = rows.start
         return mask[lo - start : hi - start]
@@ -136,7 +144,9 @@ class IndexReader:
         stats = RowStatistics.empty(layout_blocks(self.meta), int(self.meta["width"]))
         for lo, rows in self.chunks():
             hi = lo + len(rows)
-            keep = self.group["complete"][lo:hi] & counted(self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi])
+            keep = self.group["complete"][lo:hi] & counted(
+                self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi]
+            )
             stats.add(rows[torch.from_numpy(keep)])
         return stats
 

@@ -76,7 +76,9 @@ def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -
     level = eigvals.mean()
     if level <= 0:
         return np.eye(len(eigvals), dtype=np.float32)
-    return ((eigvecs * (1.0 / np.sqrt(eigvals + damping * level))) @ eigvecs.T).astype(np.float32)  # V diag((w + λ)^-½) Vᵀ
+    return ((eigvecs * (1.0 / np.sqrt(eigvals + damping * level))) @ eigvecs.T).astype(
+        np.float32
+    )  # V diag((w + λ)^-½) Vᵀ
 
 
 def whitening_factors(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
@@ -149,7 +151,9 @@ class RowStatistics:
             blocks, size = self.gram.shape[:2]
             chunks = (1, size, size)
             stats.create_array("gram", data=self.gram, chunks=chunks)
-            eigvecs = stats.create_array("eigvecs", shape=self.gram.shape, chunks=chunks, dtype=np.float64, compressors=None)
+            eigvecs = stats.create_array(
+                "eigvecs", shape=self.gram.shape, chunks=chunks, dtype=np.float64, compressors=None
+            )
             eigvals = np.empty((blocks, size))
             factors = np.empty(self.gram.shape, dtype=np.float32) if damping is not None else None
             slab = max(1, SLAB_BYTES // (size * size * 8))

@@ -58,7 +58,10 @@ def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     if old.get("num_rows") != new.get("num_rows"):
         was["num_rows"], now["num_rows"] = old.get("num_rows"), new.get("num_rows")
     keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
-    return [k if isinstance(was.get(k), list) or isinstance(now.get(k), list) else f"{k} ({was.get(k)!r} -> {now.get(k)!r})" for k in keys] or ["fingerprint"]
+    return [
+        k if isinstance(was.get(k), list) or isinstance(now.get(k), list) else f"{k} ({was.get(k)!r} -> {now.get(k)!r})"
+        for k in keys
+    ] or ["fingerprint"]
 
 
 class IndexWriter:
@@ -74,10 +77,24 @@ class IndexWriter:
     """
 
     def __init__(
-        self, path: str | Path, num_rows: int, width: int, storage_dtype: str, meta: Dict[str, Any], overwrite: bool = False, rows_per_chunk: Optional[int] = None
+        self,
+        path: str | Path,
+        num_rows: int,
+        width: int,
+        storage_dtype: str,
+        meta: Dict[str, Any],
+        overwrite: bool = False,
+        rows_per_chunk: Optional[int] = None,
     ) -> None:
         self.path, self.num_rows, self.width, self.storage_dtype = Location(path), num_rows, width, storage_dtype
-        self.meta = {**meta, "format_version": FORMAT_VERSION, "num_rows": num_rows, "width": width, "storage_dtype": storage_dtype, "complete": False}
+        self.meta = {
+            **meta,
+            "format_version": FORMAT_VERSION,
+            "num_rows": num_rows,
+            "width": width,
+            "storage_dtype": storage_dtype,
+            "complete": False,
+        }
         # A chunk never outgrows the index: uncompressed, the padding of a partial chunk is written out.
         self.chunk = min(rows_per_chunk or chunk_rows(width, storage_dtype), max(num_rows, 1))
         self.group = self._open_or_create(overwrite)
@@ -105,7 +122,9 @@ class IndexWriter:
             return self._open_or_create_unchecked(overwrite)
         except GradianError:
             raise
-        except Exception as err:  # each filesystem says "read-only" its own way: PermissionError, OSError(EROFS), ValueError, ...
+        except (
+            Exception
+        ) as err:  # each filesystem says "read-only" its own way: PermissionError, OSError(EROFS), ValueError, ...
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise ConfigError(
                 f"setting 'index.path'={str(self.path)!r} cannot be written ({type(err).__name__}: {first}); point index.path at a writable directory or bucket"
@@ -114,14 +133,23 @@ class IndexWriter:
     def _open_or_create_unchecked(self, overwrite: bool) -> zarr.Group:
         if self.path.exists():
             old = self._existing_meta()
-            same_job = old is not None and old.get("fingerprint") == self.meta.get("fingerprint") and old.get("num_rows") == self.num_rows
+            same_job = (
+                old is not None
+                and old.get("fingerprint") == self.meta.get("fingerprint")
+                and old.get("num_rows") == self.num_rows
+            )
             if same_job and old.get("global_step") == self.meta.get("global_step"):
                 group = self.path.open_group("r+")
-                group.attrs[ATTRIBUTE] = {**old, "complete": False}  # the first write: a read-only store fails here, not after the first chunk
+                group.attrs[ATTRIBUTE] = {
+                    **old,
+                    "complete": False,
+                }  # the first write: a read-only store fails here, not after the first chunk
                 return group
             if not (same_job or overwrite):
                 if old is None:
-                    raise ConfigError(f"index.path {str(self.path)!r} holds something that is not a Gradian index; choose another index.path or pass index.overwrite=true to replace it")
+                    raise ConfigError(
+                        f"index.path {str(self.path)!r} holds something that is not a Gradian index; choose another index.path or pass index.overwrite=true to replace it"
+                    )
                 raise ConfigError(
                     f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.meta))}); "
                     "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
@@ -131,14 +159,21 @@ class IndexWriter:
         # No compressor: zstd saved 7% on float16 gradients (benchmarks/RESULTS.md, index size) but
         # cut the read rate that bounds query throughput by 3-4x.
         group.create_array(
-            "grads", shape=(self.num_rows, self.width), chunks=(self.chunk, self.width), dtype=NUMPY_DTYPE[self.storage_dtype], fill_value=0, compressors=None
+            "grads",
+            shape=(self.num_rows, self.width),
+            chunks=(self.chunk, self.width),
+            dtype=NUMPY_DTYPE[self.storage_dtype],
+            fill_value=0,
+            compressors=None,
         )
         row_chunk = max(self.chunk, 4096)
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
         modules = len(layout_blocks(self.meta))
-        group.create_array(NORMS, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0)
+        group.create_array(
+            NORMS, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
+        )
         group.attrs[ATTRIBUTE] = self.meta
         return group
 
@@ -148,7 +183,15 @@ class IndexWriter:
         except Exception:
             return None
 
-    def write(self, indices: Sequence[int], grads: torch.Tensor, loss: torch.Tensor, supervised: torch.Tensor, truncated: torch.Tensor, ids: Sequence[str]) -> None:
+    def write(
+        self,
+        indices: Sequence[int],
+        grads: torch.Tensor,
+        loss: torch.Tensor,
+        supervised: torch.Tensor,
+        truncated: torch.Tensor,
+        ids: Sequence[str],
+    ) -> None:
         """Buffer rows (float32 grads [b, D]; loss, supervised, truncated [b]) and flush full chunks.
 
         Rows with NaN/inf are stored as zeros with `finite=False` and listed in `nonfinite_rows`.
@@ -163,7 +206,10 @@ class IndexWriter:
             if not bool(finite[j]):
                 self.nonfinite_rows.append(i)
             c = i // self.chunk
-            self._pending.setdefault(c, {})[i] = (stored[j], (ids[j], float(loss[j]), int(supervised[j]), int(truncated[j]), bool(finite[j])))
+            self._pending.setdefault(c, {})[i] = (
+                stored[j],
+                (ids[j], float(loss[j]), int(supervised[j]), int(truncated[j]), bool(finite[j])),
+            )
             touched.add(c)
         for c in touched:
             lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.num_rows)
@@ -196,7 +242,9 @@ class IndexWriter:
         stats = RowStatistics.empty(layout_blocks(self.meta), self.width)
         for lo in np.unique(np.flatnonzero(self._done_before) // self.chunk * self.chunk):
             hi = min(lo + self.chunk, self.num_rows)
-            keep = self._done_before[lo:hi] & counted(self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi])
+            keep = self._done_before[lo:hi] & counted(
+                self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi]
+            )
             stats.add(decode(self.group["grads"][lo:hi][keep], self.storage_dtype))
         return stats
 
@@ -211,10 +259,18 @@ class IndexWriter:
         """One pass over the rows: each module block's norm after whitening by `factors` [M, s, s]
         at the default damping (statistics.py: why). The attribute that makes them valid is written last."""
         stats = self.group[GROUP]
-        norms = stats.create_array(WHITENED_NORMS, shape=(self.num_rows, len(self.blocks)), chunks=self.group[NORMS].chunks, dtype=np.float32, fill_value=0.0)
+        norms = stats.create_array(
+            WHITENED_NORMS,
+            shape=(self.num_rows, len(self.blocks)),
+            chunks=self.group[NORMS].chunks,
+            dtype=np.float32,
+            fill_value=0.0,
+        )
         for lo in range(0, self.num_rows, self.chunk):
             hi = min(lo + self.chunk, self.num_rows)
-            norms[lo:hi] = module_norms(whiten(decode(self.group["grads"][lo:hi], self.storage_dtype), factors), self.blocks).numpy()
+            norms[lo:hi] = module_norms(
+                whiten(decode(self.group["grads"][lo:hi], self.storage_dtype), factors), self.blocks
+            ).numpy()
         stats.attrs[WHITENED_DAMPING] = DEFAULT_DAMPING
 
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:

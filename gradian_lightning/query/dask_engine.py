@@ -72,7 +72,13 @@ def check_workers_can_open(index: IndexReader) -> None:
 
 
 def _score_block(
-    block: np.ndarray, queries: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str, storage_dtype: str, transform: Optional[Preconditioner]
+    block: np.ndarray,
+    queries: torch.Tensor,
+    blocks: Sequence[Dict[str, Any]],
+    score: str,
+    normalize: str,
+    storage_dtype: str,
+    transform: Optional[Preconditioner],
 ) -> np.ndarray:
     # Runs on a worker: one stored chunk [c, D] -> its scores [c, Q] (rows along axis 0, as grads).
     return score_chunk(queries, decode(block, storage_dtype), blocks, score, normalize, transform).T.numpy()
@@ -111,14 +117,27 @@ def dask_topk(
     grads = da.from_zarr(index.grads)  # blocks are the stored chunks: [c, D], one read each
     rows = grads.chunks[0]
     scores = grads.map_blocks(
-        _score_block, queries, blocks, score, normalize, index.storage_dtype, transform, dtype=np.float32, chunks=(rows, (len(queries),)), meta=np.empty((0, 0), np.float32)
+        _score_block,
+        queries,
+        blocks,
+        score,
+        normalize,
+        index.storage_dtype,
+        transform,
+        dtype=np.float32,
+        chunks=(rows, (len(queries),)),
+        meta=np.empty((0, 0), np.float32),
     )
-    rankable = (da.from_zarr(group["complete"]) & da.from_zarr(group["finite"]) & (da.from_zarr(group["supervised_tokens"]) > 0)).rechunk((rows,))
+    rankable = (
+        da.from_zarr(group["complete"]) & da.from_zarr(group["finite"]) & (da.from_zarr(group["supervised_tokens"]) > 0)
+    ).rechunk((rows,))
     n = len(index)
 
     def best(masked: Any, k: int, largest: bool) -> Any:
         """Lazy ([k, Q] indices, [k, Q] scores), best first, as Dask tree reductions over the blocks."""
-        if k >= n:  # dask's argtopk fails for k >= N (dask 2026.8); then the whole [N, Q] is at most k rows: sort it here
+        if (
+            k >= n
+        ):  # dask's argtopk fails for k >= N (dask 2026.8); then the whole [N, Q] is at most k rows: sort it here
             return masked
         signed = k if largest else -k
         return da.argtopk(masked, signed, axis=0), da.topk(masked, signed, axis=0)
@@ -143,7 +162,10 @@ def dask_topk(
             reduced = (order, np.take_along_axis(reduced, order, axis=0))
         indices, values = reduced
         kept = min(k, count)  # fewer rankable rows than k: the rest are the masked +-inf
-        return Ranking(torch.from_numpy(np.ascontiguousarray(indices.T[:, :kept])).long(), torch.from_numpy(np.ascontiguousarray(values.T[:, :kept])).float())
+        return Ranking(
+            torch.from_numpy(np.ascontiguousarray(indices.T[:, :kept])).long(),
+            torch.from_numpy(np.ascontiguousarray(values.T[:, :kept])).float(),
+        )
 
     top = ranking(found[1], k, True)
     bottom = ranking(found[2], bottom_k, False) if bottom_k else None

@@ -56,9 +56,14 @@ class Preconditioner:
 
 def _damping(damping: float) -> float:
     if damping < 0:
-        raise ConfigError(f"setting 'query.damping'={damping!r} is not allowed; use a number >= 0 (relative to the mean eigenvalue; 0.1 is the default)")
+        raise ConfigError(
+            f"setting 'query.damping'={damping!r} is not allowed; use a number >= 0 (relative to the mean eigenvalue; 0.1 is the default)"
+        )
     if damping == 0:
-        warnings.warn(f"query.damping=0 would divide by directions the training rows never visited; using {DAMPING_FLOOR} × the mean eigenvalue", stacklevel=3)
+        warnings.warn(
+            f"query.damping=0 would divide by directions the training rows never visited; using {DAMPING_FLOOR} × the mean eigenvalue",
+            stacklevel=3,
+        )
         return DAMPING_FLOOR
     return damping
 
@@ -82,7 +87,10 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
     stats = index.statistics(gram=not cached)  # with it cached, the gram itself is never read
     blocks = layout_blocks(index.meta)
     if stats.count == 0:
-        warnings.warn(f"the index at {str(index.path)!r} has no counted rows to precondition with; query.precondition={precondition} is skipped", stacklevel=2)
+        warnings.warn(
+            f"the index at {str(index.path)!r} has no counted rows to precondition with; query.precondition={precondition} is skipped",
+            stacklevel=2,
+        )
         return None
     if precondition == "diag":
         mean_sq = torch.from_numpy(stats.sumsq / stats.count)
@@ -99,5 +107,8 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
         )
     w, v = (group["eigvals"][:], group["eigvecs"][:]) if cached else stats.eigen()
     if stats.count < w.shape[1]:
-        warnings.warn(f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions", stacklevel=2)
+        warnings.warn(
+            f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions",
+            stacklevel=2,
+        )
     return Preconditioner(factors=torch.from_numpy(whitening_factors(w, v, damping)))

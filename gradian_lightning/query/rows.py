@@ -41,7 +41,9 @@ def _describe_model(model: nn.Module) -> Dict[str, Any]:
     }
 
 
-def index_mismatches(meta: Dict[str, Any], model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None) -> List[str]:
+def index_mismatches(
+    meta: Dict[str, Any], model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None
+) -> List[str]:
     """What disagrees between an index's attributes and a query's model and settings (empty: all agree).
 
     `settings` holds the query's own `module_filter`, `projection_dim`, `seed`, `storage_dtype`
@@ -50,7 +52,11 @@ def index_mismatches(meta: Dict[str, Any], model: Optional[nn.Module] = None, se
     found: List[str] = []
     projection = meta.get("projection", {})
     settings = settings or {}
-    for key, theirs in (("projection_dim", projection.get("dim")), ("seed", projection.get("seed")), ("storage_dtype", meta.get("storage_dtype"))):
+    for key, theirs in (
+        ("projection_dim", projection.get("dim")),
+        ("seed", projection.get("seed")),
+        ("storage_dtype", meta.get("storage_dtype")),
+    ):
         if key in settings and settings[key] != theirs:
             found.append(f"grads.{key} is {settings[key]!r} here but {theirs!r} in the index")
     if meta.get("loss", {}).get("kind", LOSS_KIND) != LOSS_KIND:
@@ -58,7 +64,12 @@ def index_mismatches(meta: Dict[str, Any], model: Optional[nn.Module] = None, se
     if model is None:
         return found
     ours, theirs = _describe_model(model), meta.get("model", {})
-    for key, what in (("class", "model class"), ("name_or_path", "model"), ("vocab_size", "vocabulary size"), ("dtype", "model dtype")):
+    for key, what in (
+        ("class", "model class"),
+        ("name_or_path", "model"),
+        ("vocab_size", "vocabulary size"),
+        ("dtype", "model dtype"),
+    ):
         if ours[key] is not None and theirs.get(key) is not None and ours[key] != theirs[key]:
             found.append(f"{what} is {ours[key]!r} here but {theirs[key]!r} in the index")
     linears = dict(model.named_modules())
@@ -68,10 +79,16 @@ def index_mismatches(meta: Dict[str, Any], model: Optional[nn.Module] = None, se
         module = linears.get(name)
         if not isinstance(module, nn.Linear):
             modules_found = False
-            found.append(f"module {name!r} is missing from the model" if module is None else f"module {name!r} is {type(module).__name__}, not nn.Linear")
+            found.append(
+                f"module {name!r} is missing from the model"
+                if module is None
+                else f"module {name!r} is {type(module).__name__}, not nn.Linear"
+            )
         elif (module.out_features, module.in_features) != shape:
             modules_found = False
-            found.append(f"module {name!r} is {module.out_features}x{module.in_features} here but {shape[0]}x{shape[1]} in the index")
+            found.append(
+                f"module {name!r} is {module.out_features}x{module.in_features} here but {shape[0]}x{shape[1]} in the index"
+            )
     if "module_filter" in settings and modules_found:
         try:
             chosen = list(select_modules(model, module_patterns(settings["module_filter"])))
@@ -79,11 +96,15 @@ def index_mismatches(meta: Dict[str, Any], model: Optional[nn.Module] = None, se
             chosen = []
         wanted = [b["name"] for b in meta.get("modules", [])]
         if chosen != wanted:
-            found.append(f"grads.module_filter={settings['module_filter']!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index")
+            found.append(
+                f"grads.module_filter={settings['module_filter']!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index"
+            )
     return found
 
 
-def check_matches_index(index: IndexReader, model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None) -> None:
+def check_matches_index(
+    index: IndexReader, model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None
+) -> None:
     """Raise `IndexMismatchError`, one line naming each mismatch, when the query cannot match the index."""
     found = index_mismatches(index.meta, model, settings)
     if found:
@@ -137,8 +158,12 @@ def query_gradients(
     dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)
     for example in dataset.examples:
         if all(label < 0 for label in example.labels[1:]):
-            raise DataError(f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt")
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
+            raise DataError(
+                f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt"
+            )
+    loader = DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer))
+    )
     device = torch.device(device) if device is not None else next(model.parameters()).device
     capture = LinearCapture(modules)
     storage = index.meta["storage_dtype"]
@@ -148,10 +173,16 @@ def query_gradients(
     devices = [device] if device.type != "cpu" else []
     try:
         model.eval()
-        with torch.random.fork_rng(devices=devices, device_type=device.type), torch.inference_mode(False), torch.enable_grad():
+        with (
+            torch.random.fork_rng(devices=devices, device_type=device.type),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
             for batch in loader:
                 batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
-                rows_, _ = projected_gradients(model, batch, capture, projector, forward_context or contextlib.nullcontext(), loss_chunk_tokens)
+                rows_, _ = projected_gradients(
+                    model, batch, capture, projector, forward_context or contextlib.nullcontext(), loss_chunk_tokens
+                )
                 out.append(decode(encode(rows_, storage), storage))
     finally:
         for m, mode in training.items():

@@ -54,7 +54,9 @@ def _merge(best: Ranking, scores: torch.Tensor, positions: torch.Tensor, k: int,
     return Ranking(indices.gather(1, top.indices), top.values)
 
 
-def _unit_modules(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], norms: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _unit_modules(
+    rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], norms: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Scale each module's block of `rows` [n, D] to unit L2 norm, in place; a zero block stays zero.
 
     `norms` [n, M] are the blocks' norms when known (stored by the writer), else computed here.
@@ -77,7 +79,9 @@ def check_settings(k: int, bottom_k: int, score: str, normalize: str, preconditi
     if normalize not in NORMALIZE:
         raise ConfigError(f"setting 'query.normalize'={normalize!r} is not allowed; use {' or '.join(NORMALIZE)}")
     if precondition not in PRECONDITIONS:
-        raise ConfigError(f"setting 'query.precondition'={precondition!r} is not allowed; use {' or '.join(PRECONDITIONS)}")
+        raise ConfigError(
+            f"setting 'query.precondition'={precondition!r} is not allowed; use {' or '.join(PRECONDITIONS)}"
+        )
     if k < 1 or bottom_k < 0:
         raise ConfigError(f"top_k={k}, bottom_k={bottom_k}: use top_k >= 1 and bottom_k >= 0")
 
@@ -89,7 +93,13 @@ def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
 
 
 def prepare_queries(
-    index: IndexReader, query_rows: torch.Tensor, score: str, normalize: str, device: Optional[torch.device | str] = None, precondition: str = DEFAULT_PRECONDITION, damping: float = DEFAULT_DAMPING,
+    index: IndexReader,
+    query_rows: torch.Tensor,
+    score: str,
+    normalize: str,
+    device: Optional[torch.device | str] = None,
+    precondition: str = DEFAULT_PRECONDITION,
+    damping: float = DEFAULT_DAMPING,
     whitened_norms: bool = False,
 ) -> Tuple[torch.Tensor, Optional[Preconditioner]]:
     """Query rows scaled once as `score_chunk` treats a chunk of `index`: preconditioned, then normalised.
@@ -102,7 +112,9 @@ def prepare_queries(
     """
     width = int(index.meta["width"])
     if query_rows.dim() != 2 or query_rows.shape[1] != width:
-        raise IndexMismatchError(f"query rows have shape {tuple(query_rows.shape)} but the index at {str(index.path)!r} holds rows of width {width}; compute them with query_gradients on this index")
+        raise IndexMismatchError(
+            f"query rows have shape {tuple(query_rows.shape)} but the index at {str(index.path)!r} holds rows of width {width}; compute them with query_gradients on this index"
+        )
     device = torch.device(device) if device is not None else query_rows.device
     queries = query_rows.detach().to(device=device, dtype=torch.float32)
     transform = preconditioner(index, precondition, damping)
@@ -128,7 +140,12 @@ def uses_whitened_norms(index: IndexReader, score: str, precondition: str, dampi
 
 
 def score_chunk(
-    queries: torch.Tensor, rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], score: str, normalize: str, transform: Optional[Preconditioner] = None,
+    queries: torch.Tensor,
+    rows: torch.Tensor,
+    blocks: Sequence[Dict[str, Any]],
+    score: str,
+    normalize: str,
+    transform: Optional[Preconditioner] = None,
     norms: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Scores [Q, c] float32 of a chunk of decoded rows [c, D] against `prepare_queries` output [Q, D].
@@ -145,8 +162,14 @@ def score_chunk(
     if by_module:
         rows = _unit_modules(rows, blocks, norms)
     scores = queries @ rows.T  # [Q, c] float32
-    if score == "cosine" and not by_module:  # dividing the scores by the row norms saves normalising a copy of the chunk
-        row_norms = torch.linalg.vector_norm(rows, dim=1) if norms is None else torch.linalg.vector_norm(norms.to(rows.device), dim=1)
+    if (
+        score == "cosine" and not by_module
+    ):  # dividing the scores by the row norms saves normalising a copy of the chunk
+        row_norms = (
+            torch.linalg.vector_norm(rows, dim=1)
+            if norms is None
+            else torch.linalg.vector_norm(norms.to(rows.device), dim=1)
+        )
         scores /= row_norms.clamp_min(torch.finfo(rows.dtype).tiny)
     return scores
 
@@ -187,7 +210,9 @@ def streaming_topk(
         for entry, weight in checkpoint_weights(index.checkpoints, checkpoints):
             step = int(entry["step"])
             if step not in query_rows:
-                raise IndexMismatchError(f"query rows were made at checkpoints {sorted(query_rows)} but query.checkpoints={checkpoints!r} needs step {step} of the index at {str(index.path)!r}; make query rows with each checkpoint's weights")
+                raise IndexMismatchError(
+                    f"query rows were made at checkpoints {sorted(query_rows)} but query.checkpoints={checkpoints!r} needs step {step} of the index at {str(index.path)!r}; make query rows with each checkpoint's weights"
+                )
             chosen.append((index if step == index.step else index.at(step), query_rows[step], weight))
     first = next(iter(query_rows.values())) if isinstance(query_rows, dict) else query_rows
     device = torch.device(device) if device is not None else first.device
@@ -196,9 +221,17 @@ def streaming_topk(
         # Fisher without whitening every chunk where the index allows it (`uses_whitened_norms`).
         whitened = uses_whitened_norms(reader, score, precondition, damping)
         queries, transform = prepare_queries(reader, rows, score, normalize, device, precondition, damping, whitened)
-        norms_of = None if score != "cosine" or transform is not None else reader.whitened_norms if whitened else reader.stored_norms
+        norms_of = (
+            None
+            if score != "cosine" or transform is not None
+            else reader.whitened_norms
+            if whitened
+            else reader.stored_norms
+        )
         parts.append((reader, queries, transform, weight, norms_of))
-    empty = Ranking(torch.empty(len(first), 0, dtype=torch.long, device=device), torch.empty(len(first), 0, device=device))
+    empty = Ranking(
+        torch.empty(len(first), 0, dtype=torch.long, device=device), torch.empty(len(first), 0, device=device)
+    )
     top, bottom = empty, empty
     lead = parts[0][0]
     buffer: Optional[torch.Tensor] = None  # one float32 chunk, decoded into for every chunk: no fresh pages per chunk
@@ -220,7 +253,9 @@ def streaming_topk(
             # Every row is decoded and scored, and the columns of rows that must go are dropped
             # afterwards: cheaper than copying the kept rows out of the chunk.
             rows = decode(chunk, reader.storage_dtype, out=buffer[: hi - lo]).to(device)
-            part = score_chunk(queries, rows, index_blocks(reader), score, normalize, transform, norms_of(lo, hi) if norms_of else None)
+            part = score_chunk(
+                queries, rows, index_blocks(reader), score, normalize, transform, norms_of(lo, hi) if norms_of else None
+            )
             scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
         kept = torch.arange(lo, hi)
         if not keep.all():
@@ -235,7 +270,9 @@ def streaming_topk(
     return top, (bottom if bottom_k else None)
 
 
-def _read_ahead(lead: IndexReader, readers: Sequence[IndexReader]) -> Iterator[Tuple[int, int, np.ndarray, List[np.ndarray]]]:
+def _read_ahead(
+    lead: IndexReader, readers: Sequence[IndexReader]
+) -> Iterator[Tuple[int, int, np.ndarray, List[np.ndarray]]]:
     """(lo, hi, rankable mask [c], each reader's rows lo..hi-1 as stored [c, D]) for every chunk of
     `lead` with a rankable row. The next chunk is read on a worker thread while the caller decodes
     and scores this one: the zarr read is the slowest step at small Q, and the two otherwise run
@@ -249,7 +286,12 @@ def _read_ahead(lead: IndexReader, readers: Sequence[IndexReader]) -> Iterator[T
             return None
         lo, stored = following
         hi = lo + len(stored)
-        return lo, hi, np.logical_and.reduce([r.rankable(lo, hi) for r in readers]), [stored if r is lead else r.stored(lo, hi) for r in readers]
+        return (
+            lo,
+            hi,
+            np.logical_and.reduce([r.rankable(lo, hi) for r in readers]),
+            [stored if r is lead else r.stored(lo, hi) for r in readers],
+        )
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(read)
@@ -263,8 +305,16 @@ class Index(IndexReader):
     """An index opened for querying: `IndexReader` (meta, rows, columns) plus `topk`."""
 
     def topk(
-        self, query_rows: torch.Tensor | Dict[int, torch.Tensor], k: int, score: str = "cosine", bottom_k: int = 0, device: Optional[torch.device | str] = None,
-        normalize: str = "module", precondition: str = DEFAULT_PRECONDITION, damping: float = DEFAULT_DAMPING, checkpoints: Any = "all",
+        self,
+        query_rows: torch.Tensor | Dict[int, torch.Tensor],
+        k: int,
+        score: str = "cosine",
+        bottom_k: int = 0,
+        device: Optional[torch.device | str] = None,
+        normalize: str = "module",
+        precondition: str = DEFAULT_PRECONDITION,
+        damping: float = DEFAULT_DAMPING,
+        checkpoints: Any = "all",
     ) -> Any:
         """The k best rows per query (`streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
 
@@ -273,7 +323,9 @@ class Index(IndexReader):
         `precondition`, `damping` and `checkpoints` as in `streaming_topk`. The index is streamed
         chunk by chunk.
         """
-        top, bottom = streaming_topk(self, query_rows, k, score, bottom_k, device, normalize, precondition, damping, checkpoints)
+        top, bottom = streaming_topk(
+            self, query_rows, k, score, bottom_k, device, normalize, precondition, damping, checkpoints
+        )
         return (top, bottom) if bottom_k else top
 
 

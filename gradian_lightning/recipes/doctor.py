@@ -35,7 +35,12 @@ def version_status(name: str, installed: str) -> str:
 def versions_report() -> List[Dict[str, str]]:
     installed = package_versions()
     return [
-        {"name": name, "installed": installed[name], "supported": f">={low},<{high}", "status": version_status(name, installed[name])}
+        {
+            "name": name,
+            "installed": installed[name],
+            "supported": f">={low},<{high}",
+            "status": version_status(name, installed[name]),
+        }
         for name, (low, high) in SUPPORTED.items()
     ]
 
@@ -46,27 +51,49 @@ def _cuda() -> Dict[str, Any]:
     if not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         why = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no driver or no GPU found"
-        return {"available": False, "reason": f"torch built with CUDA {torch.version.cuda} sees no device ({why})", "devices": []}
+        return {
+            "available": False,
+            "reason": f"torch built with CUDA {torch.version.cuda} sees no device ({why})",
+            "devices": [],
+        }
     devices = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        devices.append({"index": i, "name": p.name, "memory_bytes": int(p.total_memory), "capability": f"{p.major}.{p.minor}"})
+        devices.append(
+            {"index": i, "name": p.name, "memory_bytes": int(p.total_memory), "capability": f"{p.major}.{p.minor}"}
+        )
     return {"available": True, "reason": None, "cuda_version": torch.version.cuda, "devices": devices}
 
 
 def _mps() -> Dict[str, Any]:
     if not torch.backends.mps.is_built():
-        return {"available": False, "reason": "torch was built without MPS (it exists only in macOS builds)", "devices": []}
+        return {
+            "available": False,
+            "reason": "torch was built without MPS (it exists only in macOS builds)",
+            "devices": [],
+        }
     if not torch.backends.mps.is_available():
-        return {"available": False, "reason": "MPS is built but unavailable (needs macOS 12.3+ on Apple silicon)", "devices": []}
-    return {"available": True, "reason": None, "devices": [{"index": 0, "name": "mps", "memory_bytes": int(torch.mps.recommended_max_memory())}]}
+        return {
+            "available": False,
+            "reason": "MPS is built but unavailable (needs macOS 12.3+ on Apple silicon)",
+            "devices": [],
+        }
+    return {
+        "available": True,
+        "reason": None,
+        "devices": [{"index": 0, "name": "mps", "memory_bytes": int(torch.mps.recommended_max_memory())}],
+    }
 
 
 def devices_report() -> Dict[str, Any]:
     return {
         "cuda": _cuda(),
         "mps": _mps(),
-        "cpu": {"logical_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads()},
+        "cpu": {
+            "logical_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads(),
+        },
     }
 
 
@@ -140,8 +167,24 @@ def backends_report() -> List[Dict[str, Any]]:
     rows = [
         ("cuda", "accelerator", cuda["reason"]),
         ("mps", "accelerator", mps["reason"]),
-        ("nccl", "distributed", None if dist_ok and dist.is_nccl_available() else ("torch.distributed is not built" if not dist_ok else "torch was built without NCCL (CUDA builds on Linux have it)")),
-        ("gloo", "distributed", None if dist_ok and dist.is_gloo_available() else ("torch.distributed is not built" if not dist_ok else "torch was built without Gloo")),
+        (
+            "nccl",
+            "distributed",
+            None
+            if dist_ok and dist.is_nccl_available()
+            else (
+                "torch.distributed is not built"
+                if not dist_ok
+                else "torch was built without NCCL (CUDA builds on Linux have it)"
+            ),
+        ),
+        (
+            "gloo",
+            "distributed",
+            None
+            if dist_ok and dist.is_gloo_available()
+            else ("torch.distributed is not built" if not dist_ok else "torch was built without Gloo"),
+        ),
         ("hooks", "gradient capture", _check_hooks()),
         ("zarr (local)", "storage", _check_local_zarr()),
         # Why a protocol is missing is fsspec's own install hint ("Install s3fs to access S3").
@@ -180,8 +223,16 @@ def _gib(n: int) -> str:
 
 def format_markdown(report: Dict[str, Any]) -> str:
     """The report as Markdown, for a bug report."""
-    out = ["## gradian doctor", "", f"gradian-lightning {report['gradian']} on {report['platform']}", "", "### Versions", "",
-           "| package | installed | supported | status |", "|---|---|---|---|"]
+    out = [
+        "## gradian doctor",
+        "",
+        f"gradian-lightning {report['gradian']} on {report['platform']}",
+        "",
+        "### Versions",
+        "",
+        "| package | installed | supported | status |",
+        "|---|---|---|---|",
+    ]
     out += [f"| {v['name']} | {v['installed']} | {v['supported']} | {v['status']} |" for v in report["versions"]]
     out += ["", "### Devices", ""]
     d = report["devices"]
@@ -193,9 +244,14 @@ def format_markdown(report: Dict[str, Any]) -> str:
         else:
             out.append(f"- {kind}: none ({d[kind]['reason']})")
     cpu = d["cpu"]
-    out.append(f"- cpu: {cpu['logical_cores']} logical cores; torch uses {cpu['torch_threads']} threads ({cpu['torch_interop_threads']} inter-op)")
+    out.append(
+        f"- cpu: {cpu['logical_cores']} logical cores; torch uses {cpu['torch_threads']} threads ({cpu['torch_interop_threads']} inter-op)"
+    )
     out += ["", "### Determinism", "", "| setting | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in report["determinism"].items()]
     out += ["", "### Backends", "", "| backend | for | available | reason |", "|---|---|---|---|"]
-    out += [f"| {b['name']} | {b['kind']} | {'yes' if b['available'] else 'no'} | {b['reason'] or ''} |" for b in report["backends"]]
+    out += [
+        f"| {b['name']} | {b['kind']} | {'yes' if b['available'] else 'no'} | {b['reason'] or ''} |"
+        for b in report["backends"]
+    ]
     return "\n".join(out)

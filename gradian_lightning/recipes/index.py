@@ -42,7 +42,9 @@ def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
     allowed = set(inspect.signature(L.Trainer.__init__).parameters) - {"self", "callbacks"}
     unknown = sorted(set(user) - allowed)
     if unknown:
-        raise ConfigError(f"setting 'trainer.{unknown[0]}' is not a lightning.Trainer argument; see the Trainer's documentation for the names")
+        raise ConfigError(
+            f"setting 'trainer.{unknown[0]}' is not a lightning.Trainer argument; see the Trainer's documentation for the names"
+        )
     kwargs = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False, **user}
     return L.Trainer(callbacks=callbacks, **kwargs)
 
@@ -60,13 +62,28 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "model": {"name_or_path": cfg.model.name_or_path, "revision": cfg.model.revision},
-        "data": {"path": str(cfg.data.train), "sha256": file_sha256(cfg.data.train), "max_seq_length": cfg.grads.max_seq_length},
+        "data": {
+            "path": str(cfg.data.train),
+            "sha256": file_sha256(cfg.data.train),
+            "max_seq_length": cfg.grads.max_seq_length,
+        },
     }
     g = cfg.grads
-    checkpoints = saved_models(cfg.model.checkpoints or [])  # steps and learning rates: a bad list fails before any model loads
+    checkpoints = saved_models(
+        cfg.model.checkpoints or []
+    )  # steps and learning rates: a bad list fails before any model loads
     indexer = GradientIndexer(
-        cfg.index.path, g.module_filter, g.projection_dim, g.storage_dtype, g.seed, overwrite=cfg.index.overwrite, meta=meta, rows_per_chunk=cfg.index.rows_per_chunk,
-        loss_chunk_tokens=g.loss_chunk_tokens, recompute=g.recompute, checkpoints=bool(checkpoints),
+        cfg.index.path,
+        g.module_filter,
+        g.projection_dim,
+        g.storage_dtype,
+        g.seed,
+        overwrite=cfg.index.overwrite,
+        meta=meta,
+        rows_per_chunk=cfg.index.rows_per_chunk,
+        loss_chunk_tokens=g.loss_chunk_tokens,
+        recompute=g.recompute,
+        checkpoints=bool(checkpoints),
         verbose=False,  # the CLI prints the summary
     )
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
@@ -75,8 +92,17 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
         model, tokenizer = load_saved_model(cfg.model, saved.entry) if saved else load_model_and_tokenizer(cfg.model)
         dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
         if announce is not None and trainer.is_global_zero:  # before the launch too: ranks > 0 know their rank
-            announce(format_index_start(len(dataset), index_layout(model, g, len(dataset)), g.storage_dtype, str(cfg.index.path)))
-        loader = DataLoader(dataset, batch_size=g.batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
+            announce(
+                format_index_start(
+                    len(dataset), index_layout(model, g, len(dataset)), g.storage_dtype, str(cfg.index.path)
+                )
+            )
+        loader = DataLoader(
+            dataset,
+            batch_size=g.batch_size,
+            shuffle=False,
+            collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)),
+        )
         indexer.step, indexer.lr, indexer.summary = (saved.step, saved.lr, None) if saved else (None, None, None)
         if run:
             trainer = make_trainer(cfg, [indexer])
@@ -84,7 +110,9 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
         if not trainer.is_global_zero:
             continue
         if indexer.summary is None:
-            raise GradianError("indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)")
+            raise GradianError(
+                "indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)"
+            )
     if not trainer.is_global_zero:
         return None
     return indexer.summary

@@ -36,7 +36,18 @@ from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 from gradian_lightning.index.statistics import statistics_bytes
 
 STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def supervised_tokens(example: Example) -> int:
@@ -67,7 +78,9 @@ def model_dtype(cfg: DictConfig, config: Any) -> torch.dtype:
     """The dtype `gradian index` loads the model in."""
     name = cfg.model.dtype
     if name == "auto":
-        name = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace("torch.", "")
+        name = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace(
+            "torch.", ""
+        )
     return getattr(torch, name)
 
 
@@ -80,16 +93,27 @@ class _WeightCasts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and args[0].untyped_storage().data_ptr() in self.weights:
+        if (
+            func is torch.ops.aten._to_copy.default
+            and isinstance(args[0], torch.Tensor)
+            and args[0].untyped_storage().data_ptr() in self.weights
+        ):
             self.copies.add(out.untyped_storage().data_ptr())
         return out
 
 
 # Lightning's `trainer.precision` -> (dtype the weights are converted to, None: as loaded; autocast dtype or None).
 PRECISIONS = {
-    "32-true": (None, None), "32": (None, None), "64-true": (torch.float64, None), "64": (torch.float64, None),
-    "bf16-true": (torch.bfloat16, None), "16-true": (torch.float16, None),
-    "bf16-mixed": (None, torch.bfloat16), "bf16": (None, torch.bfloat16), "16-mixed": (None, torch.float16), "16": (None, torch.float16),
+    "32-true": (None, None),
+    "32": (None, None),
+    "64-true": (torch.float64, None),
+    "64": (torch.float64, None),
+    "bf16-true": (torch.bfloat16, None),
+    "16-true": (torch.float16, None),
+    "bf16-mixed": (None, torch.bfloat16),
+    "bf16": (None, torch.bfloat16),
+    "16-mixed": (None, torch.float16),
+    "16": (None, torch.float16),
 }
 
 
@@ -101,12 +125,21 @@ def precision_dtypes(cfg: DictConfig, config: Any) -> Tuple[torch.dtype, Optiona
     """
     precision = str(cfg.trainer.get("precision", None) or "32-true")
     if precision not in PRECISIONS:
-        raise ConfigError(f"setting 'trainer.precision'={precision!r} is not one gradian plan can predict; use one of {', '.join(PRECISIONS)}")
+        raise ConfigError(
+            f"setting 'trainer.precision'={precision!r} is not one gradian plan can predict; use one of {', '.join(PRECISIONS)}"
+        )
     weights, autocast = PRECISIONS[precision]
     return weights or model_dtype(cfg, config), autocast
 
 
-def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens: int, trust_remote_code: bool, autocast: Optional[torch.dtype] = None) -> Tuple[int, int]:
+def _saved_activation_bytes(
+    config: Any,
+    layers: int,
+    dtype: torch.dtype,
+    tokens: int,
+    trust_remote_code: bool,
+    autocast: Optional[torch.dtype] = None,
+) -> Tuple[int, int]:
     """Bytes autograd keeps for backward in one indexing forward of `tokens` tokens through `layers`
     layers, and the part of them that the layers' `mlp` blocks keep: (all, mlp).
 
@@ -138,7 +171,9 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in weights and storage.data_ptr() not in casts.copies:  # weights are saved too, but they are not activations
+        if (
+            storage.data_ptr() not in weights and storage.data_ptr() not in casts.copies
+        ):  # weights are saved too, but they are not activations
             saved.setdefault(storage.data_ptr(), (storage.nbytes(), inside[0]))
         return t
 
@@ -155,7 +190,12 @@ def _saved_activation_bytes(config: Any, layers: int, dtype: torch.dtype, tokens
 
 
 def activation_bytes_per_token(
-    config: Any, dtype: torch.dtype, trust_remote_code: bool = False, tokens: int = 32, autocast: Optional[torch.dtype] = None, recompute: str = "none"
+    config: Any,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    tokens: int = 32,
+    autocast: Optional[torch.dtype] = None,
+    recompute: str = "none",
 ) -> int:
     """Bytes of activations kept for backward per token (prompt, completion and padding alike).
 
@@ -167,9 +207,13 @@ def activation_bytes_per_token(
     "mlp", every layer keeps its share less its MLP block's, plus the block's input, and one
     block's share is alive at a time.
     """
-    (one, mlp), (two, _) = (_saved_activation_bytes(config, n, dtype, tokens, trust_remote_code, autocast) for n in (1, 2))
+    (one, mlp), (two, _) = (
+        _saved_activation_bytes(config, n, dtype, tokens, trust_remote_code, autocast) for n in (1, 2)
+    )
     per_layer, layers = two - one, config.num_hidden_layers
-    hidden = int(config.hidden_size) * torch.empty((), dtype=dtype).element_size()  # one [tokens, hidden] input, per token
+    hidden = (
+        int(config.hidden_size) * torch.empty((), dtype=dtype).element_size()
+    )  # one [tokens, hidden] input, per token
     if recompute == "layers":
         return int(round(one / tokens + layers * hidden))
     if recompute == "mlp" and mlp > 0:
@@ -177,7 +221,15 @@ def activation_bytes_per_token(
     return int(round((one - per_layer + per_layer * layers) / tokens))
 
 
-def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int, vocab_size: int, chunk_tokens: Optional[int] = None, copies: float = 1.0) -> int:
+def peak_bytes(
+    weights: int,
+    tokens: int,
+    act_per_token: int,
+    n_supervised: int,
+    vocab_size: int,
+    chunk_tokens: Optional[int] = None,
+    copies: float = 1.0,
+) -> int:
     """Predicted peak of one indexing batch: weights + activations + `copies` × fp32 logits.
 
     `tokens` counts every position of the padded batch (batch × padded length); `chunk_tokens` is
@@ -188,7 +240,14 @@ def peak_bytes(weights: int, tokens: int, act_per_token: int, n_supervised: int,
 
 
 def largest_fitting_batch(
-    counts_desc: Sequence[int], longest: int, vocab_size: int, weights: int, act_per_token: int, memory_bytes: int, chunk_tokens: Optional[int] = None, copies: float = 1.0
+    counts_desc: Sequence[int],
+    longest: int,
+    vocab_size: int,
+    weights: int,
+    act_per_token: int,
+    memory_bytes: int,
+    chunk_tokens: Optional[int] = None,
+    copies: float = 1.0,
 ) -> int:
     """Largest b whose worst-case batch fits in `memory_bytes`: the b rows with most supervised
     tokens (`counts_desc`, sorted descending), padded to the longest row. 0 when one row does not fit."""
@@ -209,14 +268,19 @@ def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any
 
     `model` may live on the meta device; `grads` is the `grads.*` config section.
     """
-    projector = KroneckerProjector(select_modules(model, module_patterns(grads.module_filter)), grads.projection_dim, grads.seed)
+    projector = KroneckerProjector(
+        select_modules(model, module_patterns(grads.module_filter)), grads.projection_dim, grads.seed
+    )
     blocks = projector.describe()
     stats = statistics_bytes(blocks, projector.width, rows)
     return {
         "modules": len(projector.blocks),
         "width": projector.width,
         "statistics_bytes": stats,
-        "bytes_by_storage_dtype": {d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * 4) + stats for d in STORAGE_DTYPES},
+        "bytes_by_storage_dtype": {
+            d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * 4) + stats
+            for d in STORAGE_DTYPES
+        },
     }
 
 
@@ -242,9 +306,16 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     dtype, autocast = precision_dtypes(cfg, config)
     weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
     if autocast is not None:  # autocast keeps a low-precision copy of every Linear weight for backward
-        weights += sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) * torch.empty((), dtype=autocast).element_size()
-    act = activation_bytes_per_token(config, dtype, cfg.model.trust_remote_code, autocast=autocast, recompute=g.recompute)
-    copies = logit_peak_copies(torch.empty((), dtype=autocast or dtype).element_size())  # the head's logits are in the autocast dtype, if any
+        weights += (
+            sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+            * torch.empty((), dtype=autocast).element_size()
+        )
+    act = activation_bytes_per_token(
+        config, dtype, cfg.model.trust_remote_code, autocast=autocast, recompute=g.recompute
+    )
+    copies = logit_peak_copies(
+        torch.empty((), dtype=autocast or dtype).element_size()
+    )  # the head's logits are in the autocast dtype, if any
 
     counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
     lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
@@ -267,7 +338,12 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         "batch_size": g.batch_size,
         "max_seq_length": g.max_seq_length,
         "vocab_size": vocab,
-        "supervised_tokens": {"max": int(counts.max()), "p95": float(np.percentile(counts, 95)), "mean": float(counts.mean()), "min": int(counts.min())},
+        "supervised_tokens": {
+            "max": int(counts.max()),
+            "p95": float(np.percentile(counts, 95)),
+            "mean": float(counts.mean()),
+            "min": int(counts.min()),
+        },
         "truncated_rows": int(sum(e.truncated_tokens > 0 for e in examples)),
         "empty_rows": int((counts == 0).sum()),
         "fp32_logits_bytes": {
@@ -275,7 +351,11 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
             "typical": typical_logits,
             "largest_batch_in_index_order": fp32_logit_bytes(in_order, vocab, chunk),
         },
-        "precision": {"trainer.precision": str(cfg.trainer.get("precision", None) or "32-true"), "weights_dtype": str(dtype).replace("torch.", ""), "autocast_dtype": None if autocast is None else str(autocast).replace("torch.", "")},
+        "precision": {
+            "trainer.precision": str(cfg.trainer.get("precision", None) or "32-true"),
+            "weights_dtype": str(dtype).replace("torch.", ""),
+            "autocast_dtype": None if autocast is None else str(autocast).replace("torch.", ""),
+        },
         "loss_chunk_tokens": chunk,
         "weights_bytes": int(weights),
         "activation_bytes_per_token": act,
@@ -283,13 +363,23 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         "peak_bytes": {
             "worst_case": peak_bytes(weights, b * int(lengths.max()), act, int(desc[:b].sum()), vocab, chunk, copies),
             "typical": int(round(weights + b * lengths.mean() * act + copies * typical_logits)),
-            "largest_batch_in_index_order": max(peak_bytes(weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab, chunk, copies) for s in batches),
+            "largest_batch_in_index_order": max(
+                peak_bytes(
+                    weights, len(lengths[s]) * int(lengths[s].max()), act, int(counts[s].sum()), vocab, chunk, copies
+                )
+                for s in batches
+            ),
         },
         "device_memory": None if device_memory is None else {"bytes": int(device_memory), "source": source},
-        "largest_batch_size_that_fits": None if device_memory is None else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, chunk, copies),
+        "largest_batch_size_that_fits": None
+        if device_memory is None
+        else largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, chunk, copies),
         # The third lever, offered only when it is off: the same rows with a bounded loss peak.
-        "largest_batch_size_that_fits_with_suggested_chunk": None if device_memory is None or chunk is not None else
-            largest_fitting_batch(desc, int(lengths.max()), vocab, weights, act, device_memory, SUGGESTED_LOSS_CHUNK_TOKENS, copies),
+        "largest_batch_size_that_fits_with_suggested_chunk": None
+        if device_memory is None or chunk is not None
+        else largest_fitting_batch(
+            desc, int(lengths.max()), vocab, weights, act, device_memory, SUGGESTED_LOSS_CHUNK_TOKENS, copies
+        ),
         "suggested_loss_chunk_tokens": SUGGESTED_LOSS_CHUNK_TOKENS,
         "index": index_layout(model, g, len(counts)),
     }
@@ -304,12 +394,20 @@ def format_plan(plan: Dict[str, Any]) -> str:
         f"  supervised tokens per row: max {s['max']}, p95 {s['p95']:.1f}, mean {s['mean']:.1f}, min {s['min']}",
         f"  rows cut by grads.max_seq_length: {plan['truncated_rows']} ({100.0 * plan['truncated_rows'] / n:.1f}%); rows left with nothing supervised: {plan['empty_rows']}",
         f"  fp32 logits at grads.batch_size={plan['batch_size']} (supervised tokens × vocab × 4 bytes"
-        + (f"; at most grads.loss_chunk_tokens={plan['loss_chunk_tokens']} tokens at a time):" if plan["loss_chunk_tokens"] else "):"),
+        + (
+            f"; at most grads.loss_chunk_tokens={plan['loss_chunk_tokens']} tokens at a time):"
+            if plan["loss_chunk_tokens"]
+            else "):"
+        ),
         f"    worst case (the {min(plan['batch_size'], n)} rows with most supervised tokens): {human_bytes(f['worst_case'])}",
         f"    typical (batch_size × mean): {human_bytes(f['typical'])}",
         f"    largest batch in gradian index's order: {human_bytes(f['largest_batch_in_index_order'])}",
         f"  trainer.precision={pr['trainer.precision']}: weights in {pr['weights_dtype']}"
-        + (f", forward under {pr['autocast_dtype']} autocast (its weight copies counted with the weights)" if pr["autocast_dtype"] else ""),
+        + (
+            f", forward under {pr['autocast_dtype']} autocast (its weight copies counted with the weights)"
+            if pr["autocast_dtype"]
+            else ""
+        ),
         f"  activations kept for backward: {human_bytes(plan['activation_bytes_per_token'])} per token (prompt and padding included)",
         f"  predicted peak (weights {human_bytes(plan['weights_bytes'])} + activations + {copies:g} × fp32 logits): "
         f"worst case {human_bytes(plan['peak_bytes']['worst_case'])}, typical {human_bytes(plan['peak_bytes']['typical'])}, "
@@ -317,18 +415,27 @@ def format_plan(plan: Dict[str, Any]) -> str:
     ]
     memory = plan["device_memory"]
     if memory is None:
-        lines.append("  largest batch size that fits: unknown (no accelerator visible); pass --device-memory, e.g. --device-memory 24GiB")
+        lines.append(
+            "  largest batch size that fits: unknown (no accelerator visible); pass --device-memory, e.g. --device-memory 24GiB"
+        )
     else:
         fits = plan["largest_batch_size_that_fits"]
-        what = f"{fits}" + (" (every row at once)" if fits >= n else "") if fits else "0: not even the largest row fits; lower grads.max_seq_length or use a larger device"
+        what = (
+            f"{fits}" + (" (every row at once)" if fits >= n else "")
+            if fits
+            else "0: not even the largest row fits; lower grads.max_seq_length or use a larger device"
+        )
         lines.append(f"  largest batch size that fits {human_bytes(memory['bytes'])} ({memory['source']}): {what}")
         chunked, c = plan["largest_batch_size_that_fits_with_suggested_chunk"], plan["suggested_loss_chunk_tokens"]
         if chunked is not None and chunked > fits:
             lines.append(
                 f"  with grads.loss_chunk_tokens={c} (head and fp32 loss {c} tokens at a time, recomputed in backward: the same rows, "
-                f"fp32 logits at most {human_bytes(fp32_logit_bytes(c, plan['vocab_size']))}): {chunked}" + (" (every row at once)" if chunked >= n else "")
+                f"fp32 logits at most {human_bytes(fp32_logit_bytes(c, plan['vocab_size']))}): {chunked}"
+                + (" (every row at once)" if chunked >= n else "")
             )
     ix = plan["index"]
     sizes = ", ".join(f"{d} {human_bytes(b)}" for d, b in ix["bytes_by_storage_dtype"].items())
-    lines.append(f"  index on disk ({n} rows × width {ix['width']:,} from {ix['modules']} modules, uncompressed, {human_bytes(ix['statistics_bytes'])} of it row statistics): {sizes}")
+    lines.append(
+        f"  index on disk ({n} rows × width {ix['width']:,} from {ix['modules']} modules, uncompressed, {human_bytes(ix['statistics_bytes'])} of it row statistics): {sizes}"
+    )
     return "\n".join(lines)

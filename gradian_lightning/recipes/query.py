@@ -1,7 +1,7 @@
 """The `gradian query` recipe as plain functions: config -> model, query rows -> ranking -> JSONL.
 
-    cfg = load_config("configs/smollm2.yaml", ["query.data=my_queries.jsonl", "index.path=runs/ix"])
-    answer = run_query(cfg)
+cfg = load_config("configs/smollm2.yaml", ["query.data=my_queries.jsonl", "index.path=runs/ix"])
+answer = run_query(cfg)
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from gradian_lightning.query.topk import Index, Ranking, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
 
 
-def results_for(index: IndexReader, query_ids: Sequence[str], top: Ranking, bottom: Optional[Ranking] = None) -> List[Dict[str, Any]]:
+def results_for(
+    index: IndexReader, query_ids: Sequence[str], top: Ranking, bottom: Optional[Ranking] = None
+) -> List[Dict[str, Any]]:
     """One JSON-ready dict per query: {"query_id", "results": [{"rank", "id", "index", "score"}], "opponents"?}.
 
     `id` is the training row's stored id (its `id` column, or its position).
@@ -86,9 +88,17 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     queries = read_jsonl(cfg.query.data)
     index = Index(cfg.index.path)
     g = cfg.grads
-    settings = {"module_filter": OmegaConf.to_object(g.module_filter) if OmegaConf.is_config(g.module_filter) else g.module_filter,
-                "projection_dim": g.projection_dim, "seed": g.seed, "storage_dtype": g.storage_dtype}
-    check_matches_index(index, settings={k: v for k, v in settings.items() if k != "module_filter"})  # before the model loads
+    settings = {
+        "module_filter": OmegaConf.to_object(g.module_filter)
+        if OmegaConf.is_config(g.module_filter)
+        else g.module_filter,
+        "projection_dim": g.projection_dim,
+        "seed": g.seed,
+        "storage_dtype": g.storage_dtype,
+    }
+    check_matches_index(
+        index, settings={k: v for k, v in settings.items() if k != "module_filter"}
+    )  # before the model loads
     with contextlib.ExitStack() as stack:
         # The cluster first: a scheduler that does not answer fails before the model loads.
         client = None
@@ -98,12 +108,18 @@ def run_query(cfg: Any) -> Dict[str, Any]:
         return _answer(cfg, queries, index, settings, client)
 
 
-def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dict[str, Any], client: Optional[Any]) -> Dict[str, Any]:
+def _answer(
+    cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dict[str, Any], client: Optional[Any]
+) -> Dict[str, Any]:
     g = cfg.grads
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
     fabric = L.Fabric(**fabric_kwargs, devices=1)
-    which = OmegaConf.to_object(cfg.query.checkpoints) if OmegaConf.is_config(cfg.query.checkpoints) else cfg.query.checkpoints
+    which = (
+        OmegaConf.to_object(cfg.query.checkpoints)
+        if OmegaConf.is_config(cfg.query.checkpoints)
+        else cfg.query.checkpoints
+    )
     models = _checkpoint_models(cfg, index, which)
     if client is not None and len(models) > 1:
         raise ConfigError(
@@ -116,14 +132,34 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
         check_matches_index(reader, model, settings)
         model.to(fabric.device)
         rows[step] = query_gradients(
-            reader, model, tokenizer, queries, g.batch_size, device=fabric.device, forward_context=fabric.autocast(), source=str(cfg.query.data), loss_chunk_tokens=g.loss_chunk_tokens
+            reader,
+            model,
+            tokenizer,
+            queries,
+            g.batch_size,
+            device=fabric.device,
+            forward_context=fabric.autocast(),
+            source=str(cfg.query.data),
+            loss_chunk_tokens=g.loss_chunk_tokens,
         )
     q = cfg.query
     if client is not None:
         (step,) = rows
-        top, bottom = dask_topk(readers[step], rows[step], q.top_k, q.score, q.bottom_k, q.normalize, client=client, precondition=q.precondition, damping=q.damping)
+        top, bottom = dask_topk(
+            readers[step],
+            rows[step],
+            q.top_k,
+            q.score,
+            q.bottom_k,
+            q.normalize,
+            client=client,
+            precondition=q.precondition,
+            damping=q.damping,
+        )
     else:
-        top, bottom = streaming_topk(index, rows, q.top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which)
+        top, bottom = streaming_topk(
+            index, rows, q.top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which
+        )
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     if cfg.query.output:
@@ -134,5 +170,11 @@ def _answer(cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dic
     train_rows = read_jsonl(data["path"]) if same_file else None
     where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(fabric.device)
     used = resolve(index, q.precondition)
-    return {"results": results, "queries": queries, "train_rows": train_rows, "index": index, "device": where,
-            "precondition": used if used == "none" else f"{used}, damping {q.damping}"}
+    return {
+        "results": results,
+        "queries": queries,
+        "train_rows": train_rows,
+        "index": index,
+        "device": where,
+        "precondition": used if used == "none" else f"{used}, damping {q.damping}",
+    }

@@ -43,7 +43,9 @@ def word_tokenizer(texts: Iterable[str], chat_template: str | None = None) -> An
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIALS + words)}, unk_token="<unk>"))
     core.pre_tokenizer = split
     core.add_special_tokens(SPECIALS)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -54,8 +56,17 @@ def tiny_llama(vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(config)
 
@@ -68,7 +79,9 @@ class FineTune(L.LightningModule):
         self.model, self.lr = model, lr
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        return self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._loss(batch)
@@ -97,7 +110,12 @@ class WeightSnapshots(L.Callback):
 
 
 def run_quickstart(
-    out_dir: str | Path = "runs/quickstart", epochs: int = 12, batch_size: int = 8, seed: int = 0, top_k: int = 10, dtype: str = "float32"
+    out_dir: str | Path = "runs/quickstart",
+    epochs: int = 12,
+    batch_size: int = 8,
+    seed: int = 0,
+    top_k: int = 10,
+    dtype: str = "float32",
 ) -> Dict[str, Any]:
     """Fine-tune on the bundled training rows, index them at every epoch, answer the queries.
 
@@ -124,13 +142,28 @@ def run_quickstart(
         shutil.rmtree(out_dir / "index")
     # Validation runs after every epoch: each run adds one checkpoint to the index.
     indexer = GradientIndexer(
-        out_dir / "index", module_filter=MODULE_FILTER, projection_dim=16, storage_dtype="float16", seed=seed, overwrite=True, checkpoints=True,
-        meta={"data": {"path": str(TRAIN), "max_seq_length": max_seq_length}}, verbose=False,
+        out_dir / "index",
+        module_filter=MODULE_FILTER,
+        projection_dim=16,
+        storage_dtype="float16",
+        seed=seed,
+        overwrite=True,
+        checkpoints=True,
+        meta={"data": {"path": str(TRAIN), "max_seq_length": max_seq_length}},
+        verbose=False,
     )
     snapshots = WeightSnapshots(model)
     trainer = L.Trainer(
-        max_epochs=epochs, check_val_every_n_epoch=1, num_sanity_val_steps=0, accelerator="cpu", devices=1,
-        logger=False, enable_checkpointing=False, enable_model_summary=False, callbacks=[indexer, snapshots], default_root_dir=out_dir,
+        max_epochs=epochs,
+        check_val_every_n_epoch=1,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[indexer, snapshots],
+        default_root_dir=out_dir,
     )
     trainer.fit(FineTune(model), train_dataloaders=shuffled, val_dataloaders=in_order)
     index = open_index(out_dir / "index")
@@ -140,15 +173,26 @@ def run_quickstart(
     rows = {}
     for entry in index.checkpoints:
         model.load_state_dict(snapshots.weights[int(entry["step"])])
-        rows[int(entry["step"])] = query_gradients(index.at(int(entry["step"])), model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES))
+        rows[int(entry["step"])] = query_gradients(
+            index.at(int(entry["step"])), model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES)
+        )
     model.load_state_dict(final)
     # No preconditioner: on this tiny model with a checkpoint per epoch it measured best (worst MRR
     # 0.87 over five training variants, fisher 0.76: benchmarks/results/quickstart_checkpoints.md).
-    results = results_for(index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine", checkpoints="all", precondition="none"))
+    results = results_for(
+        index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine", checkpoints="all", precondition="none")
+    )
     write_results(out_dir / "results.jsonl", results)
     sources = [q["source"] for q in query_rows]
     return {
-        "summary": indexer.summary, "results": results, "queries": query_rows, "train_rows": train_rows,
-        "recall@1": recall_at(results, sources, 1), "recall@10": recall_at(results, sources, 10),
-        "model": model.eval(), "tokenizer": tokenizer, "index": out_dir / "index", "results_path": out_dir / "results.jsonl",
+        "summary": indexer.summary,
+        "results": results,
+        "queries": query_rows,
+        "train_rows": train_rows,
+        "recall@1": recall_at(results, sources, 1),
+        "recall@10": recall_at(results, sources, 10),
+        "model": model.eval(),
+        "tokenizer": tokenizer,
+        "index": out_dir / "index",
+        "results_path": out_dir / "results.jsonl",
     }
