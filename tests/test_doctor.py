@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import re
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -76,3 +77,18 @@ def test_pyproject_bounds_are_the_supported_window():
         name, low, high = re.fullmatch(r"([a-z]+)>=([\d.]+),<([\d.]+)", dep).groups()
         assert SUPPORTED[name] == (low, high), dep
     assert project["requires-python"] == f">={SUPPORTED['python'][0]}"
+
+
+def test_doctor_runs_without_the_optional_extras(capsys, monkeypatch):
+    # A plain `pip install` has no dask, distributed or matplotlib; None in sys.modules makes their import fail.
+    for name in ("dask", "distributed", "matplotlib"):
+        monkeypatch.setitem(sys.modules, name, None)
+    report = json.loads(doctor(capsys, "--json"))
+    backends = {b["name"]: b for b in report["backends"]}
+    dask = backends["dask (query.engine=dask)"]
+    assert (
+        not dask["available"] and dask["reason"] == 'dask is not installed (pip install "gradian-lightning[cluster]")'
+    )
+    plots = backends["matplotlib (benchmark and validate plots)"]
+    assert not plots["available"] and '"gradian-lightning[bench]"' in plots["reason"]
+    assert "Traceback" not in doctor(capsys)

@@ -143,9 +143,15 @@ def _check_local_zarr() -> Optional[str]:
         return f"{type(err).__name__}: {err}"
 
 
-def _installed(module: str, package: str) -> Optional[str]:
-    if importlib.util.find_spec(module) is None:
-        return f"{package} is not installed (pip install {package})"
+def _installed(module: str, extra: str) -> Optional[str]:
+    """None when `module` imports here, else the line saying which extra brings it."""
+    try:
+        # find_spec("dask.array") imports the parent package, so a missing `dask` raises here.
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
+        return f'{module.split(".")[0]} is not installed (pip install "gradian-lightning[{extra}]")'
     return None
 
 
@@ -155,7 +161,7 @@ PROTOCOLS = ("file", "memory", "s3", "gs", "az", "https")
 
 def _dask() -> Optional[str]:
     """None when query.engine=dask can run here, else which package is missing."""
-    return _installed("dask.array", "dask[array]") or _installed("distributed", "distributed")
+    return _installed("dask.array", "cluster") or _installed("distributed", "cluster")
 
 
 def backends_report() -> List[Dict[str, Any]]:
@@ -190,6 +196,7 @@ def backends_report() -> List[Dict[str, Any]]:
         # Why a protocol is missing is fsspec's own install hint ("Install s3fs to access S3").
         *((f"zarr via fsspec: {p}://", "storage", missing_filesystem(p)) for p in PROTOCOLS),
         ("dask (query.engine=dask)", "query", _dask()),
+        ("matplotlib (benchmark and validate plots)", "plots", _installed("matplotlib", "bench")),
     ]
     return [{"name": n, "kind": k, "available": why is None, "reason": why} for n, k, why in rows]
 
