@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION
+from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, stored_meta
 from gradian_lightning.index.location import Location
 
 GROUP = "checkpoints"
@@ -52,8 +52,8 @@ def register_checkpoint(
     one-checkpoint index or something else is replaced only with `overwrite`.
     """
     root = Location(root)  # a local directory or an fsspec URL
-    old = _root_meta(root)
-    if root.exists() and (old is None or "checkpoints" not in old or _rows_layout(old) != _rows_layout(meta)):
+    old = stored_meta(root)
+    if not root.is_empty() and (old is None or "checkpoints" not in old or _rows_layout(old) != _rows_layout(meta)):
         if not overwrite:
             what = (
                 "a Gradian index of another configuration"
@@ -63,7 +63,7 @@ def register_checkpoint(
             raise ConfigError(
                 f"index.path {str(root)!r} holds {what}, not checkpoints of this job; choose another index.path or pass index.overwrite=true to replace it"
             )
-        root.remove()
+        root.remove_index(holds_index=old is not None)
         old = None
     group = root.open_group("a")
     group.require_group(GROUP)
@@ -83,13 +83,6 @@ def register_checkpoint(
 def _rows_layout(meta: Dict[str, Any]) -> Tuple[Any, ...]:
     # What every checkpoint of one index shares; the model's name may differ (a base and its fine-tune).
     return tuple(repr(meta.get(key)) for key in ("modules", "projection", "storage_dtype", "num_rows", "width", "data"))
-
-
-def _root_meta(root: Location) -> Optional[Dict[str, Any]]:
-    try:
-        return dict(root.open_group("r").attrs[ATTRIBUTE])
-    except Exception:
-        return None
 
 
 def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tuple[Dict[str, Any], float]]:

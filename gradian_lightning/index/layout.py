@@ -34,6 +34,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch
+import zarr
 
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.location import Location
@@ -109,6 +110,30 @@ def fingerprint(parts: Dict[str, Any]) -> str:
 def chunk_rows(width: int, storage_dtype: str) -> int:
     """Rows per grads chunk: about CHUNK_BYTES of uncompressed data."""
     return max(1, CHUNK_BYTES // (width * np.dtype(NUMPY_DTYPE[storage_dtype]).itemsize))
+
+
+def stored_meta(path: str | Path | Location) -> Optional[Dict[str, Any]]:
+    """The "gradian" attribute at `path`; None where nothing is stored, or an empty folder, or
+    something that is not a Gradian index (no zarr group, or one without the attribute).
+
+    A store that holds a zarr group but cannot be read (a permission, a network error) raises
+    `IndexFormatError` with the cause: a failed read is never taken for "no index here", since
+    `index.overwrite` would then remove what it could not read.
+    """
+    path = path if isinstance(path, Location) else Location(path)
+    if path.is_empty() or not path.has_file("zarr.json"):
+        return None
+    try:
+        attrs = path.open_group("r").attrs
+        meta = attrs.get(ATTRIBUTE)
+    except (zarr.errors.ContainsArrayError, zarr.errors.GroupNotFoundError, zarr.errors.MetadataValidationError):
+        return None  # a zarr array, or a group some other tool wrote: not a Gradian index
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise IndexFormatError(
+            f"index.path {str(path)!r} could not be read ({type(err).__name__}: {first}); nothing was changed there; check the path and your access to it, then rerun"
+        ) from None
+    return dict(meta) if meta is not None else None
 
 
 def read_meta(path: str | Path | Location) -> Dict[str, Any]:

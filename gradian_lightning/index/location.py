@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import zarr
 
@@ -96,6 +96,60 @@ class Location:
             return self.local.exists()
         fs, path = self._filesystem()
         return bool(fs.exists(path))
+
+    def entries(self) -> List[str]:
+        """The names stored directly under this location (none where nothing is)."""
+        if self.local is not None:
+            return sorted(p.name for p in self.local.iterdir()) if self.local.is_dir() else []
+        fs, path = self._filesystem()
+        if not fs.exists(path):
+            return []
+        return sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+
+    def is_empty(self) -> bool:
+        """Nothing stored here, or an empty folder: a place an index can be created without removing anything."""
+        if self.local is not None and self.local.exists() and not self.local.is_dir():
+            return False
+        return not self.entries()
+
+    def has_file(self, name: str) -> bool:
+        """Whether the file `name` is stored directly under this location."""
+        if self.local is not None:
+            return (self.local / name).is_file()
+        fs, path = self._filesystem()
+        return bool(fs.isfile(f"{path.rstrip('/')}/{name}"))
+
+    def remove_index(self, holds_index: bool) -> None:
+        """Remove the Gradian index stored here (`index.overwrite=true`), after checking that nothing else goes with it.
+
+        Refuses, in one `ConfigError` line, to remove the working folder or a folder above it, a
+        folder that is not a Gradian index (`holds_index` False and not empty), and an index folder
+        that holds anything besides zarr nodes (a config or data file put beside the arrays).
+        """
+        if self.local is not None:
+            here, target = Path.cwd().resolve(), self.local.resolve()
+            if target == here or target in here.parents:
+                raise ConfigError(
+                    f"index.overwrite=true would remove {self.text!r}, the working folder or a folder above it; point index.path at a folder of its own, such as runs/index"
+                )
+        if self.is_empty():
+            return
+        if not holds_index:
+            raise ConfigError(
+                f"index.overwrite=true removes only a Gradian index or an empty folder, and {self.text!r} holds something else ({', '.join(self.entries()[:3])}); move those files or choose another index.path"
+            )
+        if self.local is not None:
+            # Every entry of an index is a zarr node: zarr.json, or a folder (array or group) with its own zarr.json.
+            foreign = [
+                p.name
+                for p in sorted(self.local.iterdir())
+                if p.name != "zarr.json" and not (p / "zarr.json").is_file()
+            ]
+            if foreign:
+                raise ConfigError(
+                    f"index.overwrite=true would remove {self.text!r}, which holds files that are not part of the index ({', '.join(foreign[:3])}); move them out or choose another index.path"
+                )
+        self.remove()
 
     def remove(self) -> None:
         """Delete whatever is stored here (a directory tree or a file)."""

@@ -24,6 +24,7 @@ from gradian_lightning.index.layout import (
     decode,
     encode,
     module_norms,
+    stored_meta,
 )
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
@@ -131,8 +132,8 @@ class IndexWriter:
             ) from None
 
     def _open_or_create_unchecked(self, overwrite: bool) -> zarr.Group:
-        if self.path.exists():
-            old = self._existing_meta()
+        if not self.path.is_empty():
+            old = stored_meta(self.path)
             same_job = (
                 old is not None
                 and old.get("fingerprint") == self.meta.get("fingerprint")
@@ -154,7 +155,7 @@ class IndexWriter:
                     f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.meta))}); "
                     "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
                 )
-            self.path.remove()
+            self.path.remove_index(holds_index=old is not None)
         group = self.path.open_group("w")
         # No compressor: zstd saved 7% on float16 gradients (benchmarks/RESULTS.md, index size) but
         # cut the read rate that bounds query throughput by 3-4x.
@@ -176,12 +177,6 @@ class IndexWriter:
         )
         group.attrs[ATTRIBUTE] = self.meta
         return group
-
-    def _existing_meta(self) -> Optional[Dict[str, Any]]:
-        try:
-            return dict(self.path.open_group("r").attrs[ATTRIBUTE])
-        except Exception:
-            return None
 
     def write(
         self,
