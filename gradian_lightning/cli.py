@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from gradian_lightning.errors import GradianError
@@ -50,10 +51,7 @@ def _doctor(args: argparse.Namespace) -> None:
 
     from gradian_lightning.recipes.doctor import doctor_report, format_markdown
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
-        config, overrides = None, [config] + overrides  # `gradian doctor grads.seed=3`: no file
-    report = doctor_report(config, overrides)
+    report = doctor_report(args.config, list(args.overrides))
     print(json.dumps(report, indent=2) if args.json else format_markdown(report))
 
 
@@ -118,13 +116,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     index = commands.add_parser("index", help="index the training data's per-example gradients")
-    index.add_argument("config", help="YAML config file (see configs/)")
+    index.add_argument("config", nargs="?", help="YAML config file (see configs/)")
     index.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
     index.set_defaults(run=_index)
     plan = commands.add_parser(
         "plan", help="predict peak memory and index size from the config and data, without loading weights"
     )
-    plan.add_argument("config", help="YAML config file (see configs/)")
+    plan.add_argument("config", nargs="?", help="YAML config file (see configs/)")
     plan.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
     plan.add_argument(
         "--device-memory", help="memory to fit the batch in, e.g. 24GiB (default: the visible accelerator's)"
@@ -142,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "query",
         help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)",
     )
-    query.add_argument("config", help="YAML config file (see configs/); index.path names the index")
+    query.add_argument("config", nargs="?", help="YAML config file (see configs/); index.path names the index")
     query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
     query.set_defaults(run=_query)
     quick = commands.add_parser(
@@ -151,11 +149,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     quick.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     quick.set_defaults(run=_quickstart)
     args = parser.parse_args(argv)
+    config = getattr(args, "config", None)
+    if config is not None and "=" in config and not Path(config).exists():
+        args.config, args.overrides = None, [config, *args.overrides]  # every setting an override, no YAML
     try:
         args.run(args)
     except GradianError as err:
         print(f"gradian {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        resume = {"index": "the rows written so far are kept; rerun the same command to resume from them"}
+        resume = resume.get(args.command, "nothing was written")
+        print(f"gradian {args.command}: interrupted: {resume}", file=sys.stderr)
+        return 130
     return 0
 
 

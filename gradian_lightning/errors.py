@@ -27,3 +27,7 @@ class IndexMismatchError(GradianError):
 
 class DeviceOutOfMemoryError(GradianError):
     """The accelerator ran out of memory during indexing; the message says which setting to lower."""
+
+
+class IndexWriteError(GradianError):
+    """Writing the index failed part-way (a full disk); the rows already on disk are kept and a rerun resumes."""

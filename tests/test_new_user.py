@@ -17,7 +17,7 @@ import zarr
 from conftest import ROWS, write_jsonl
 
 from gradian_lightning.cli import main
-from gradian_lightning.errors import ConfigError, IndexFormatError
+from gradian_lightning.errors import ConfigError, IndexFormatError, IndexWriteError
 from gradian_lightning.index.layout import read_meta
 from gradian_lightning.index.writer import IndexWriter
 
@@ -113,3 +113,68 @@ def test_overwrite_replaces_an_index_of_another_configuration(tmp_path):
     fill(writer(tmp_path / "ix", seed=1, overwrite=True))
     assert read_meta(tmp_path / "ix")["fingerprint"] == "f1"
     assert np.array_equal(zarr.open_group(str(tmp_path / "ix"))["grads"][:], np.ones((4, 8), dtype=np.float32))
+
+
+def test_a_second_writer_is_refused_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    # The first writer is another process that holds the lock until it reads a line.
+    hold = (
+        "import sys; from gradian_lightning.index.location import Location; "
+        f"lock = Location({str(tmp_path / 'ix')!r}).writer_lock(); print('held', flush=True); sys.stdin.readline()"
+    )
+    first = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"is being written by another gradian process \(pid {first.pid}\)"):
+            writer(tmp_path / "ix")
+        assert [p.name for p in (tmp_path / "ix").iterdir()] == [".gradian-lock"]  # refused before anything was made
+    finally:
+        first.communicate("\n")
+    fill(writer(tmp_path / "ix"))  # the lock went with its process
+
+
+def test_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch):
+    import errno
+
+    w = IndexWriter(tmp_path / "ix", 4, 8, "float32", {"fingerprint": "f0", "modules": []}, rows_per_chunk=2)
+    w.write([0, 1], torch.ones(2, 8), torch.zeros(2), torch.ones(2), torch.zeros(2), ["0", "1"])
+    real = IndexWriter._set
+
+    def full(self, name, where, values):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(IndexWriter, "_set", full)
+    with pytest.raises(
+        IndexWriteError, match=r"no space left .* \(2 of 4 rows are safely written\); free some space, then rerun"
+    ):
+        w.write([2, 3], torch.full((2, 8), 2.0), torch.zeros(2), torch.ones(2), torch.zeros(2), ["2", "3"])
+    monkeypatch.setattr(IndexWriter, "_set", real)
+    again = IndexWriter(tmp_path / "ix", 4, 8, "float32", {"fingerprint": "f0", "modules": []}, rows_per_chunk=2)
+    assert again.kept_rows == 2 and again.todo.tolist() == [False, False, True, True]
+
+
+def test_ctrl_c_says_a_rerun_resumes(monkeypatch, capsys):
+    def interrupted(cfg, announce=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("gradian_lightning.recipes.index.run_index", interrupted)
+    assert main(["index", "model.name_or_path=x", "data.train=y"]) == 130
+    assert (
+        capsys.readouterr().err.strip()
+        == "gradian index: interrupted: the rows written so far are kept; rerun the same command to resume from them"
+    )
+
+
+def test_every_setting_may_be_an_override_without_a_yaml(tmp_path, saved_model, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    assert main(["index", f"data.train={data}", *common]) == 0
+    assert main(["query", f"query.data={data}", "query.top_k=2", *common]) == 0
+    assert "queries ranked against" in capsys.readouterr().out

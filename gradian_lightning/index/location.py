@@ -14,16 +14,24 @@ empty filesystem there.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import IO, Any, Dict, List, Optional, Tuple
 
 import zarr
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; a second writer there is not refused early
+    fcntl = None
 
 from gradian_lightning.errors import ConfigError
 
 # fsspec URLs: `proto://...`, chained ones `zip://inner::file:///archive.zip` named by the first.
+# The writer's lock (writer_lock), inside a local index folder; not part of the index.
+LOCK_FILE = ".gradian-lock"
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
@@ -100,7 +108,7 @@ class Location:
     def entries(self) -> List[str]:
         """The names stored directly under this location (none where nothing is)."""
         if self.local is not None:
-            return sorted(p.name for p in self.local.iterdir()) if self.local.is_dir() else []
+            return sorted(p.name for p in self.local.iterdir() if p.name != LOCK_FILE) if self.local.is_dir() else []
         fs, path = self._filesystem()
         if not fs.exists(path):
             return []
@@ -119,6 +127,46 @@ class Location:
         fs, path = self._filesystem()
         return bool(fs.isfile(f"{path.rstrip('/')}/{name}"))
 
+    def writer_lock(self) -> Optional[IO[str]]:
+        """An exclusive lock held while one process writes a local index: a second writer is refused
+        before it does any work, instead of failing minutes later on an array the first one made.
+
+        The lock is a hidden file in the index folder (LOCK_FILE), locked with flock, so a killed
+        writer releases it with its process; it is never removed, so every writer locks one file. Returns the open lock file (close it to
+        release), or None where no lock is taken: a URL (object stores have no such lock), or a
+        writer of this same process that an exception abandoned. Raises `ConfigError` when
+        another process holds it.
+        """
+        if self.local is None or fcntl is None:
+            return None
+        self.local.mkdir(parents=True, exist_ok=True)
+        handle = open(self.local / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip()
+            handle.close()
+            if holder == str(os.getpid()):
+                return None
+            raise ConfigError(
+                f"index.path {self.text!r} is being written by another gradian process (pid {holder or '?'}); wait for it to finish, or choose another index.path"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        return handle
+
+    def refuse_working_folder(self) -> None:
+        """`ConfigError` when this is the working folder or a folder above it: never one to remove."""
+        if self.local is not None:
+            here, target = Path.cwd().resolve(), self.local.resolve()
+            if target == here or target in here.parents:
+                raise ConfigError(
+                    f"index.overwrite=true would remove {self.text!r}, the working folder or a folder above it; point index.path at a folder of its own, such as runs/index"
+                )
+
     def remove_index(self, holds_index: bool) -> None:
         """Remove the Gradian index stored here (`index.overwrite=true`), after checking that nothing else goes with it.
 
@@ -126,12 +174,7 @@ class Location:
         folder that is not a Gradian index (`holds_index` False and not empty), and an index folder
         that holds anything besides zarr nodes (a config or data file put beside the arrays).
         """
-        if self.local is not None:
-            here, target = Path.cwd().resolve(), self.local.resolve()
-            if target == here or target in here.parents:
-                raise ConfigError(
-                    f"index.overwrite=true would remove {self.text!r}, the working folder or a folder above it; point index.path at a folder of its own, such as runs/index"
-                )
+        self.refuse_working_folder()
         if self.is_empty():
             return
         if not holds_index:
@@ -140,11 +183,7 @@ class Location:
             )
         if self.local is not None:
             # Every entry of an index is a zarr node: zarr.json, or a folder (array or group) with its own zarr.json.
-            foreign = [
-                p.name
-                for p in sorted(self.local.iterdir())
-                if p.name != "zarr.json" and not (p / "zarr.json").is_file()
-            ]
+            foreign = [n for n in self.entries() if n != "zarr.json" and not (self.local / n / "zarr.json").is_file()]
             if foreign:
                 raise ConfigError(
                     f"index.overwrite=true would remove {self.text!r}, which holds files that are not part of the index ({', '.join(foreign[:3])}); move them out or choose another index.path"
@@ -152,12 +191,14 @@ class Location:
         self.remove()
 
     def remove(self) -> None:
-        """Delete whatever is stored here (a directory tree or a file)."""
+        """Delete whatever is stored here (a directory tree or a file), except a local index's lock file."""
         if self.local is not None:
-            if self.local.is_dir():
-                shutil.rmtree(self.local)
-            else:
+            if not self.local.is_dir():
                 self.local.unlink()
+                return
+            for name in self.entries():
+                entry = self.local / name
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             return
         fs, path = self._filesystem()
         fs.rm(path, recursive=True)

@@ -5,15 +5,17 @@ The layout it writes is described in `layout.py`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import zarr
 
 from gradian_lightning.config import DEFAULT_DAMPING
-from gradian_lightning.errors import ConfigError, GradianError
+from gradian_lightning.errors import ConfigError, GradianError, IndexWriteError
 from gradian_lightning.index.layout import (
     ATTRIBUTE,
     FORMAT_VERSION,
@@ -98,7 +100,14 @@ class IndexWriter:
         }
         # A chunk never outgrows the index: uncompressed, the padding of a partial chunk is written out.
         self.chunk = min(rows_per_chunk or chunk_rows(width, storage_dtype), max(num_rows, 1))
-        self.group = self._open_or_create(overwrite)
+        if overwrite:
+            self.path.refuse_working_folder()  # before the lock file is made in it
+        self._lock = self.path.writer_lock()  # before anything is read or removed
+        try:
+            self.group = self._open_or_create(overwrite)
+        except BaseException:
+            self._release()
+            raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
         self.blocks = layout_blocks(self.meta)
         # An index begun by a gradian that stored no norms is resumed without them: its readers
@@ -156,7 +165,8 @@ class IndexWriter:
                     "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
                 )
             self.path.remove_index(holds_index=old is not None)
-        group = self.path.open_group("w")
+        # "a", not "w": zarr's "w" clears the folder, and with it the writer's lock file.
+        group = self.path.open_group("a")
         # No compressor: zstd saved 7% on float16 gradients (benchmarks/RESULTS.md, index size) but
         # cut the read rate that bounds query throughput by 3-4x.
         group.create_array(
@@ -206,10 +216,28 @@ class IndexWriter:
                 (ids[j], float(loss[j]), int(supervised[j]), int(truncated[j]), bool(finite[j])),
             )
             touched.add(c)
-        for c in touched:
-            lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.num_rows)
-            if int(self.done[lo:hi].sum()) + len(self._pending[c]) == hi - lo:
-                self._flush(c)
+        with self._disk_full_is_one_line():
+            for c in touched:
+                lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.num_rows)
+                if int(self.done[lo:hi].sum()) + len(self._pending[c]) == hi - lo:
+                    self._flush(c)
+
+    @contextlib.contextmanager
+    def _disk_full_is_one_line(self) -> Iterator[None]:
+        # A flush writes data before completion flags (_flush), so what is marked complete survives.
+        try:
+            yield
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise IndexWriteError(
+                f"no space left where index.path {str(self.path)!r} is stored ({int(self.done.sum())} of {self.num_rows} rows are safely written); free some space, then rerun the same command: it resumes from those rows"
+            ) from None
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _flush(self, c: int) -> None:
         rows = self._pending.pop(c)
@@ -271,13 +299,17 @@ class IndexWriter:
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
         """Flush every buffered row, store the row statistics (and, once every row is written, the
         rows' whitened norms); mark the index complete when every row is. Returns that flag."""
-        for c in sorted(self._pending):
-            self._flush(c)
-        complete = bool(self.done.all())
-        # Summed with the rows from before only when there were any: each gram is M·k⁴ float64 (47 MB for the MLP at k = 16).
-        stats = self.statistics + self._statistics_before() if self._done_before.any() else self.statistics
-        factors = stats.save(self.group, DEFAULT_DAMPING if complete and self.store_norms else None)
-        if factors is not None:
-            self._store_whitened_norms(torch.from_numpy(factors))
-        self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
+        try:
+            with self._disk_full_is_one_line():
+                for c in sorted(self._pending):
+                    self._flush(c)
+                complete = bool(self.done.all())
+                # Summed with the rows from before only when there were any: each gram is M·k⁴ float64 (47 MB for the MLP at k = 16).
+                stats = self.statistics + self._statistics_before() if self._done_before.any() else self.statistics
+                factors = stats.save(self.group, DEFAULT_DAMPING if complete and self.store_norms else None)
+                if factors is not None:
+                    self._store_whitened_norms(torch.from_numpy(factors))
+                self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
+        finally:
+            self._release()
         return complete
