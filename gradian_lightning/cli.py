@@ -81,6 +81,11 @@ def _print_query_table(
                 )
 
 
+def _rows_ranked(answer: dict) -> str:
+    ranked, total = answer["ranked_rows"], len(answer["index"])
+    return f"{total} rows" if ranked == total else f"the {ranked} written rows (of {total}: the index is unfinished)"
+
+
 def _query(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
     from gradian_lightning.recipes.query import run_query
@@ -90,7 +95,7 @@ def _query(args: argparse.Namespace) -> None:
     _print_query_table(answer["results"], answer["queries"], answer["train_rows"])
     where = f"; written to {cfg.query.output}" if cfg.query.output else " (set query.output=FILE.jsonl to keep them)"
     print(
-        f"\ngradian query: {len(answer['results'])} queries ranked against {len(answer['index'])} rows of {cfg.index.path} by {cfg.query.score}{' (per module)' if cfg.query.score == 'cosine' and cfg.query.normalize == 'module' else ''} score, precondition {answer['precondition']}, on {answer['device']}{where}"
+        f"\ngradian query: {len(answer['results'])} queries ranked against {_rows_ranked(answer)} of {cfg.index.path} by {cfg.query.score}{' (per module)' if cfg.query.score == 'cosine' and cfg.query.normalize == 'module' else ''} score, precondition {answer['precondition']}, on {answer['device']}{where}"
     )
 
 

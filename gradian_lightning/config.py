@@ -113,6 +113,19 @@ def _one_line(err: OmegaConfBaseException) -> str:
     return f"setting '{key}': {msg}"
 
 
+def _yaml_problem(err: Exception, lines: bool = True) -> str:
+    """A YAML parse error in one line: what, and (`lines`) where: the line where the construct
+    began and the one where the parser gave up (PyYAML's marks count from 0)."""
+    problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+    at, began = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+    if not lines or at is None:
+        return problem
+    where = f"line {at.line + 1}, column {at.column + 1}: {problem}"
+    if began is not None and began.line != at.line:
+        where += f", {getattr(err, 'context', 'in what began')} at line {began.line + 1}"
+    return where
+
+
 def load_config(path: str | Path | None = None, overrides: List[str] | None = None) -> DictConfig:
     """Merge schema defaults, an optional YAML file and `key=value` overrides, then validate.
 
@@ -127,12 +140,23 @@ def load_config(path: str | Path | None = None, overrides: List[str] | None = No
                 f"config file {str(path)!r} does not exist; pass a YAML file such as configs/smollm2.yaml"
             )
         try:
-            layers.append(OmegaConf.load(path))
-        except Exception as err:  # yaml.YAMLError and friends: say which file
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+            loaded = OmegaConf.load(path)
+        except Exception as err:  # yaml.YAMLError and friends: say which file and where
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML ({_yaml_problem(err)})") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(
+                f"config file {str(path)!r} holds a {type(loaded).__name__.replace('Config', '').lower()} at its top level; write sections of settings (model:, data:, grads:, index:, query:, trainer:) as in configs/smollm2.yaml"
+            )
+        layers.append(loaded)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value; write e.g. grads.batch_size=2")
+        try:
+            OmegaConf.from_dotlist([item])
+        except Exception as err:  # the value is YAML: an unclosed list or quote
+            raise ConfigError(
+                f"override {item!r}: its value is not valid YAML ({_yaml_problem(err, lines=False)}); close lists and quotes, e.g. grads.module_filter=[q_proj,v_proj]"
+            ) from None
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides or [])))
         cfg = OmegaConf.merge(schema, *layers)

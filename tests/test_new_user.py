@@ -178,3 +178,108 @@ def test_every_setting_may_be_an_override_without_a_yaml(tmp_path, saved_model, 
     assert main(["index", f"data.train={data}", *common]) == 0
     assert main(["query", f"query.data={data}", "query.top_k=2", *common]) == 0
     assert "queries ranked against" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("- a\n- b\n", "holds a list at its top level; write sections of settings"),
+        (
+            "grads:\n  batch_size: 2\n  bad: [1, 2\n",
+            "is not valid YAML (line 4, column 1: did not find expected ',' or ']', while parsing a flow sequence at line 3)",
+        ),
+    ],
+)
+def test_a_bad_yaml_is_one_line_naming_where(tmp_path, capsys, text, expected):
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    assert main(["plan", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_an_unclosed_list_in_an_override_is_one_line(capsys):
+    assert main(["plan", "grads.module_filter=[a,b"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.strip()
+        == "gradian plan: error: override 'grads.module_filter=[a,b': its value is not valid YAML (did not find expected ',' or ']'); close lists and quotes, e.g. grads.module_filter=[q_proj,v_proj]"
+    )
+
+
+@pytest.mark.parametrize("key, value", [("precision", "bf17"), ("devices", "-7"), ("strategy", "nonsense")])
+def test_a_trainer_value_lightning_refuses_names_the_key(tmp_path, saved_model, capsys, key, value):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    code = main(
+        [
+            "index",
+            f"model.name_or_path={saved_model}",
+            f"data.train={data}",
+            f"index.path={tmp_path / 'ix'}",
+            "trainer.accelerator=cpu",
+            f"trainer.{key}={value}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert (
+        code == 2
+        and err.count("\n") == 1
+        and f"setting 'trainer.{key}'=" in err
+        and "refused by lightning.Trainer" in err
+    ), err
+    assert not (tmp_path / "ix").exists()
+
+
+def test_an_unwritable_output_fails_before_any_query_is_computed(tmp_path, saved_model, capsys, monkeypatch):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    assert main(["index", f"data.train={data}", *common]) == 0
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder\n")
+    computed = []
+    monkeypatch.setattr("gradian_lightning.recipes.query.query_gradients", lambda *a, **k: computed.append(1))
+    assert main(["query", f"query.data={data}", f"query.output={blocked / 'results.jsonl'}", *common]) == 2
+    err = capsys.readouterr().err
+    assert "setting 'query.output'=" in err and "cannot be written (FileExistsError" in err and not computed
+    assert blocked.read_text() == "not a folder\n"
+
+
+def test_an_unfinished_index_warns_and_says_how_many_rows_were_ranked(tmp_path, saved_model, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    assert main(["index", f"data.train={data}", "index.rows_per_chunk=2", *common]) == 0
+    group = zarr.open_group(str(tmp_path / "ix"), mode="r+")
+    group["complete"][2:] = False  # as a run killed after the first chunk leaves it
+    group.attrs["gradian"] = {**group.attrs["gradian"], "complete": False}
+    with pytest.warns(
+        UserWarning, match=rf"is unfinished: 2 of {len(ROWS)} rows are written, and only those are ranked"
+    ):
+        assert (
+            main(
+                [
+                    "query",
+                    f"query.data={data}",
+                    f"query.top_k={len(ROWS)}",
+                    f"query.output={tmp_path / 'r.jsonl'}",
+                    *common,
+                ]
+            )
+            == 0
+        )
+    assert f"ranked against the 2 written rows (of {len(ROWS)}: the index is unfinished)" in capsys.readouterr().out
+    ranked = [
+        r["index"]
+        for line in (tmp_path / "r.jsonl").read_text().splitlines()
+        for r in __import__("json").loads(line)["results"]
+    ]
+    assert set(ranked) == {0, 1}

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.index.statistics import (
@@ -57,7 +58,7 @@ class Preconditioner:
 def _damping(damping: float) -> float:
     if damping < 0:
         raise ConfigError(
-            f"setting 'query.damping'={damping!r} is not allowed; use a number >= 0 (relative to the mean eigenvalue; 0.1 is the default)"
+            f"setting 'query.damping'={damping!r} is not allowed; use a number >= 0 (relative to the mean eigenvalue; {DEFAULT_DAMPING} is the default)"
         )
     if damping == 0:
         warnings.warn(

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any, Callable, Dict, Optional
 
 import lightning as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
@@ -45,8 +46,25 @@ def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
         raise ConfigError(
             f"setting 'trainer.{unknown[0]}' is not a lightning.Trainer argument; see the Trainer's documentation for the names"
         )
-    kwargs = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False, **user}
-    return L.Trainer(callbacks=callbacks, **kwargs)
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False}
+    try:
+        return L.Trainer(callbacks=callbacks, **{**quiet, **user})
+    except (ValueError, TypeError, MisconfigurationException) as err:
+        # Lightning's message lists what it accepts but not which setting it was; find the key by
+        # building a Trainer with each user setting alone (cheap: no model, no data).
+        key = next((k for k in user if not _trainer_accepts(quiet, k, user[k])), next(iter(user), "?"))
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"setting 'trainer.{key}'={user.get(key)!r} is refused by lightning.Trainer ({first}); see the Trainer's documentation for the values it takes"
+        ) from None
+
+
+def _trainer_accepts(quiet: Dict[str, Any], key: str, value: Any) -> bool:
+    try:
+        L.Trainer(**{**quiet, key: value})
+    except (ValueError, TypeError, MisconfigurationException):
+        return False
+    return True
 
 
 def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None) -> Optional[Dict[str, Any]]:

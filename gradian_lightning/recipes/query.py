@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -77,6 +78,27 @@ def _checkpoint_models(cfg: Any, index: Index, which: Any) -> List[tuple]:
     return [(step, by_step[step]) for step in chosen]
 
 
+def check_writable(path: str | Path, key: str = "query.output") -> None:
+    """`ConfigError` now, before any query is computed, when the results file cannot be written."""
+    path = Path(path)
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):  # "a": an existing file is not truncated by the check
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"setting '{key}'={str(path)!r} cannot be written ({type(err).__name__}: {err.strerror or err}); choose a path in a writable folder"
+        ) from None
+    if not existed:
+        path.unlink()
+
+
+def written_rows(index: IndexReader) -> int:
+    """How many rows of `index` are written (complete); all of them once the index is complete."""
+    return len(index) if index.meta.get("complete") else int(index.column("complete").sum())
+
+
 def run_query(cfg: Any) -> Dict[str, Any]:
     """Answer `cfg.query.data` against the index at `cfg.index.path`; write `cfg.query.output` if set.
 
@@ -85,8 +107,16 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     "index": the reader, "device": where scoring ran}.
     """
     require(cfg, "model.name_or_path", "query.data")
+    if cfg.query.output:
+        check_writable(cfg.query.output)
     queries = read_jsonl(cfg.query.data)
     index = Index(cfg.index.path)
+    written = written_rows(index)
+    if written < len(index):
+        warnings.warn(
+            f"the index at {str(index.path)!r} is unfinished: {written} of {len(index)} rows are written, and only those are ranked; rerun gradian index with its settings to finish it",
+            stacklevel=2,
+        )
     g = cfg.grads
     settings = {
         "module_filter": OmegaConf.to_object(g.module_filter)
@@ -175,6 +205,7 @@ def _answer(
         "queries": queries,
         "train_rows": train_rows,
         "index": index,
+        "ranked_rows": written_rows(index),
         "device": where,
         "precondition": used if used == "none" else f"{used}, damping {q.damping}",
     }
