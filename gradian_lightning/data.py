@@ -36,7 +36,7 @@ def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:
         raise DataError(
             f"data file {str(path)!r} cannot be read as UTF-8 text ({type(err).__name__}); fix its permissions or encoding"
         ) from None
-    rows = []
+    rows, row_of_id = [], {}  # ids compared as stored: 7 and "7" are one id
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -46,10 +46,41 @@ def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:
             raise DataError(f"{path}:{number}: malformed JSON ({err.msg}); each line must be one JSON object") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
+        try:
+            check_row(row)
+        except DataError as err:  # "row n", as the tokenizer's errors (JsonlDataset) say it
+            raise DataError(f"{path} row {len(rows) + 1}: {err}") from None
+        if "id" in row:
+            if str(row["id"]) in row_of_id:
+                raise DataError(
+                    f"{path} row {len(rows) + 1}: id {row['id']!r} is also the id of row {row_of_id[str(row['id'])]}; ids name rows in results, so each must be unique"
+                )
+            row_of_id[str(row["id"])] = len(rows) + 1
         rows.append(row)
     if not rows:
         raise DataError(f"data file {str(path)!r} has no rows; it needs at least one JSON object per line")
     return rows
+
+
+def check_row(row: Dict[str, Any]) -> None:
+    """`DataError` unless `row` is one of the formats with text where text belongs and a usable id.
+
+    JSON null, numbers or lists where text belongs would otherwise be indexed as the strings
+    'None' or '[1, 2]'. An id is a string or an integer (stored as its decimal string).
+    """
+    kind = row_format(row)
+    fields = {"prompt_completion": ("prompt", "completion"), "text": ("text",), "messages": ()}[kind]
+    for name in fields:
+        if not isinstance(row[name], str):
+            raise DataError(f'{name!r} is {json.dumps(row[name])}; it must be a string (write "" for none)')
+    if kind == "messages":
+        turns = row["messages"]
+        if not isinstance(turns, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("content"), str) for t in turns
+        ):
+            raise DataError('\'messages\' must be a list of {"role": ..., "content": "text"} objects')
+    if "id" in row and (isinstance(row["id"], bool) or not isinstance(row["id"], (str, int))):
+        raise DataError(f"'id' is {json.dumps(row['id'])}; it must be a string or an integer")
 
 
 def row_format(row: Dict[str, Any]) -> str:
@@ -108,12 +139,13 @@ def _text_and_spans(tokenizer: Any, row: Dict[str, Any]) -> Tuple[str, List[Tupl
     kind = row_format(row)
     if kind == "prompt_completion":
         prompt, completion = str(row["prompt"]), str(row["completion"])
-        return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
+        # EOS is supervised after a completion, not instead of one: an empty completion explains nothing.
+        return prompt + completion, [(len(prompt), len(prompt) + len(completion))], bool(completion)
     if kind == "messages":
         text, spans = _chat_spans(tokenizer, row["messages"])
         return text, spans, False
     text = str(row["text"])
-    return text, [(0, len(text))], True
+    return text, [(0, len(text))], bool(text)
 
 
 @dataclass

@@ -283,3 +283,44 @@ def test_an_unfinished_index_warns_and_says_how_many_rows_were_ranked(tmp_path, 
         for r in __import__("json").loads(line)["results"]
     ]
     assert set(ranked) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('{"prompt": null, "completion": "x"}', "'prompt' is null; it must be a string"),
+        ('{"text": 5}', "'text' is 5; it must be a string"),
+        ('{"prompt": "a", "completion": "b", "id": [1, 2]}', "'id' is [1, 2]; it must be a string or an integer"),
+        ('{"prompt": "a", "completion": "b", "id": null}', "'id' is null; it must be a string or an integer"),
+        ('{"messages": [{"role": "user", "content": null}]}', "'messages' must be a list of"),
+    ],
+)
+def test_rows_with_non_text_where_text_belongs_are_refused(tmp_path, line, expected):
+    from gradian_lightning.data import read_jsonl
+    from gradian_lightning.errors import DataError
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "ok", "completion": "fine", "id": "a"}\n' + line + "\n")
+    with pytest.raises(DataError, match=rf"d\.jsonl row 2: {__import__('re').escape(expected)}"):
+        read_jsonl(path)
+
+
+def test_duplicate_ids_are_refused_and_integer_ids_kept(tmp_path, tokenizer):
+    from gradian_lightning.data import JsonlDataset, read_jsonl
+    from gradian_lightning.errors import DataError
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a", "id": "x"}\n{"text": "b", "id": 7}\n{"text": "c", "id": "x"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl row 3: id 'x' is also the id of row 1; .* each must be unique"):
+        read_jsonl(path)
+    path.write_text('{"text": "a", "id": "x"}\n{"text": "b", "id": 7}\n')
+    assert [e.id for e in JsonlDataset(read_jsonl(path), tokenizer, 32)] == ["x", "7"]
+
+
+def test_an_empty_completion_has_no_supervised_token(tokenizer):
+    from gradian_lightning.data import IGNORE_INDEX, tokenize_row
+
+    empty = tokenize_row(tokenizer, {"prompt": "Where does Renpe live ?", "completion": ""}, 0, 64)
+    assert all(label == IGNORE_INDEX for label in empty.labels)
+    one = tokenize_row(tokenizer, {"prompt": "Where does Renpe live ?", "completion": " lima"}, 0, 64)
+    assert [t for t in one.labels if t != IGNORE_INDEX][-1] == tokenizer.eos_token_id  # EOS still follows a completion
