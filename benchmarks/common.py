@@ -276,8 +276,7 @@ def save_figure(name: str, fig: Any, out: Optional[str] = None) -> Path:
 
     matplotlib comes with the `bench` extra (`pip install -e ".[bench]"`); it is not a runtime dependency.
     """
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     directory = Path(out) if out else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.png"
@@ -289,9 +288,15 @@ def save_figure(name: str, fig: Any, out: Optional[str] = None) -> Path:
 
 
 def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless)."""
-    import matplotlib
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless); without the `bench`
+    extra, the script stops with one line naming it."""
+    from gradian_lightning.errors import MissingExtraError
+    from gradian_lightning.extras import require_extra
 
+    try:
+        matplotlib = require_extra("matplotlib", "bench", "drawing the benchmark's figure")
+    except MissingExtraError as err:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {err}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 import gradian_lightning.index.statistics as statistics
+from benchmarks.common import pyplot
 from benchmarks.ranking_quality import (
     DATA,
     RESULTS,
@@ -457,11 +458,7 @@ def against_exact(results: Dict[str, Dict], recipe: tuple) -> str:
 
 def plot(results: Optional[Dict[str, Dict]] = None, path: Path = PLOT) -> Path:
     """MRR against k per filter and precondition (none, diag; fisher 1.0 at k = 16 as a star), mean over kinds, per case; exact as dashed lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     results = results or load_results()
     table = cells(results)
     kinds = list(results)

@@ -22,12 +22,19 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, JsonlDataset, collate, open_index, query_gradients, read_jsonl
 from gradian_lightning.data import row_snippet
+from gradian_lightning.errors import MissingExtraError
+from gradian_lightning.extras import require_extra
 from gradian_lightning.recipes.quickstart import QUERIES, TRAIN, tiny_llama, word_tokenizer
+
+try:
+    peft = require_extra("peft", "test", "this LoRA example")
+except MissingExtraError as err:
+    sys.exit(f"finetune_and_attribute.py: error: {err}")
+LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
 SMOLLM2 = Path(os.environ.get("GRADIAN_SMOLLM2", Path.home() / ".cache" / "gradian" / "smollm2-135m-instruct"))
 

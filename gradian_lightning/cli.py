@@ -18,7 +18,9 @@ def _print_index_summary(summary: Optional[dict]) -> None:
     print(
         f"gradian index: {rows}/{total} rows written to {summary['path']} ({'complete' if summary['complete'] else 'INCOMPLETE'})"
     )
-    if summary.get("kept_rows"):
+    if summary.get("kept_rows") == total and not summary.get("computed_rows"):
+        print("  already complete: an earlier run wrote every row, so nothing was computed")
+    elif summary.get("kept_rows"):
         print(
             f"  resumed: {summary['kept_rows']} rows kept from an interrupted run, {summary['computed_rows']} computed now"
         )

@@ -31,3 +31,7 @@ class DeviceOutOfMemoryError(GradianError):
 
 class IndexWriteError(GradianError):
     """Writing the index failed part-way (a full disk); the rows already on disk are kept and a rerun resumes."""
+
+
+class MissingExtraError(GradianError):
+    """An optional feature was asked for without the extra that brings its package."""

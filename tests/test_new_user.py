@@ -10,6 +10,7 @@
 | overwrite of a real index                          | test_overwrite_replaces_an_index_of_another_configuration |
 """
 
+
 import numpy as np
 import pytest
 import torch
@@ -324,3 +325,55 @@ def test_an_empty_completion_has_no_supervised_token(tokenizer):
     assert all(label == IGNORE_INDEX for label in empty.labels)
     one = tokenize_row(tokenizer, {"prompt": "Where does Renpe live ?", "completion": " lima"}, 0, 64)
     assert [t for t in one.labels if t != IGNORE_INDEX][-1] == tokenizer.eos_token_id  # EOS still follows a completion
+
+
+def test_gradian_index_shows_rows_on_its_progress_bar_and_a_rerun_says_already_complete(tmp_path, saved_model, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    args = [
+        "index",
+        f"model.name_or_path={saved_model}",
+        f"data.train={data}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "grads.batch_size=2",
+    ]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    bar = (out + err).replace(".00", "")  # Lightning's bar writes to stdout
+    assert f"gradian_rows={len(ROWS)}" in bar and "gradian_eta_s=" in bar
+    assert "resumed" not in out and "already complete" not in out
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "already complete: an earlier run wrote every row, so nothing was computed" in out and "resumed" not in out
+
+
+def test_a_url_without_its_filesystem_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    monkeypatch.setattr(
+        "gradian_lightning.recipes.index.load_model_and_tokenizer", lambda *a: pytest.fail("model loaded")
+    )
+    monkeypatch.setitem(__import__("sys").modules, "gcsfs", None)
+    assert main(["index", "model.name_or_path=anything", f"data.train={data}", "index.path=gs://bucket/ix"]) == 2
+    assert "no filesystem for gs:// is usable here" in capsys.readouterr().err
+
+
+def test_scripts_without_their_extra_refuse_in_one_line(monkeypatch):
+    import runpy
+    import sys
+
+    from benchmarks.common import pyplot
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    monkeypatch.setitem(sys.modules, "peft", None)  # as an install without the extra lacks it
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(root / "examples" / "finetune_and_attribute.py"), run_name="example")
+    assert (
+        str(stop.value)
+        == 'finetune_and_attribute.py: error: this LoRA example needs peft, which is not installed here; pip install "gradian-lightning[test]"'
+    )
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as stop:
+        pyplot()
+    assert str(stop.value).endswith(
+        'error: drawing the benchmark\'s figure needs matplotlib, which is not installed here; pip install "gradian-lightning[bench]"'
+    )

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Optional
 
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
@@ -21,6 +22,7 @@ from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, pad_token_id
 from gradian_lightning.index.callback import GradientIndexer
+from gradian_lightning.index.location import Location
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
 
@@ -37,6 +39,19 @@ class CausalLMModule(L.LightningModule):
         return None
 
 
+class IndexProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, with the indexer's numbers (gradian_rows, gradian_rows_per_s,
+    gradian_eta_s) on the validation bar: `trainer.validate` has no training bar, which is where
+    Lightning puts logged metrics."""
+
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        super().on_validation_batch_end(trainer, pl_module, *args, **kwargs)
+        if not trainer.sanity_checking and not trainer.training:
+            self.val_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+
+
 def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
     """A `lightning.Trainer` from `cfg.trainer` (passed as is) with quiet defaults for indexing."""
     user = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -47,6 +62,8 @@ def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
             f"setting 'trainer.{unknown[0]}' is not a lightning.Trainer argument; see the Trainer's documentation for the names"
         )
     quiet = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False}
+    if user.get("enable_progress_bar", True):
+        callbacks = [*callbacks, IndexProgressBar()]
     try:
         return L.Trainer(callbacks=callbacks, **{**quiet, **user})
     except (ValueError, TypeError, MisconfigurationException) as err:
@@ -77,6 +94,7 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     """
     require(cfg, "model.name_or_path", "data.train")
     rows = read_jsonl(cfg.data.train)  # data mistakes fail before the model loads
+    Location(str(cfg.index.path))  # so does an s3:// or gs:// path whose filesystem is not installed
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "model": {"name_or_path": cfg.model.name_or_path, "revision": cfg.model.revision},
