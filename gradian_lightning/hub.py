@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -68,6 +68,15 @@ def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def normalized_name(name: Optional[str]) -> Optional[str]:
+    """A model name or data path as stored and compared: a local path made absolute and resolved
+    (`./data/x` and `data/x`, or another working folder, are then one path); a hub name unchanged."""
+    if not name:
+        return name
+    path = Path(os.path.expanduser(str(name)))
+    return str(path.resolve()) if path.exists() else str(name)
 
 
 def file_sha256(path: str | Path) -> str:

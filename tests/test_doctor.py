@@ -81,7 +81,7 @@ def test_pyproject_bounds_are_the_supported_window():
 
 def test_doctor_runs_without_the_optional_extras(capsys, monkeypatch):
     # A plain `pip install` has no dask, distributed or matplotlib; None in sys.modules makes their import fail.
-    for name in ("dask", "distributed", "matplotlib"):
+    for name in ("dask", "dask.array", "distributed", "matplotlib"):
         monkeypatch.setitem(sys.modules, name, None)
     report = json.loads(doctor(capsys, "--json"))
     backends = {b["name"]: b for b in report["backends"]}

@@ -10,7 +10,6 @@
 | overwrite of a real index                          | test_overwrite_replaces_an_index_of_another_configuration |
 """
 
-
 import numpy as np
 import pytest
 import torch
@@ -377,3 +376,79 @@ def test_scripts_without_their_extra_refuse_in_one_line(monkeypatch):
     assert str(stop.value).endswith(
         'error: drawing the benchmark\'s figure needs matplotlib, which is not installed here; pip install "gradian-lightning[bench]"'
     )
+
+
+def _save_perturbed(source, target, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # a training step's worth of change, everywhere
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def test_a_query_is_matched_to_the_index_by_its_weights_not_its_path(tmp_path, saved_model, tokenizer, capsys):
+    import shutil
+
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    common = [f"index.path={tmp_path / 'ix'}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    assert main(["index", f"model.name_or_path={saved_model}", f"data.train={data}", *common]) == 0
+    copy = shutil.copytree(saved_model, tmp_path / "elsewhere" / "same-weights")
+    assert (
+        main(["query", f"model.name_or_path={copy}", f"query.data={data}", *common]) == 0
+    )  # another path, same weights
+    other = _save_perturbed(saved_model, tmp_path / "finetuned", tokenizer)
+    capsys.readouterr()
+    assert main(["query", f"model.name_or_path={other}", f"query.data={data}", *common]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("gradian ")]
+    assert len(lines) == 1 and "the model's weights are not those the index was built with" in lines[0]
+
+
+def test_a_query_with_an_earlier_checkpoints_weights_is_told_which_checkpoint(tmp_path, saved_model, tokenizer, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    finetuned = _save_perturbed(saved_model, tmp_path / "finetuned", tokenizer)
+    common = [f"index.path={tmp_path / 'ix'}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    assert (
+        main(
+            [
+                "index",
+                f"model.name_or_path={saved_model}",
+                f"model.checkpoints=[{saved_model},{finetuned}]",
+                f"data.train={data}",
+                *common,
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    # The base model against the newest checkpoint (query.checkpoints=last): refused, with the step it matches.
+    assert (
+        main(["query", f"model.name_or_path={saved_model}", f"query.data={data}", "query.checkpoints=last", *common])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert (
+        "they are the weights of its checkpoint at step 0: score with that checkpoint (query.checkpoints=[0]" in err
+    ), err
+
+
+def test_a_relative_data_path_resumes_from_another_folder(tmp_path, saved_model, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    write_jsonl(work / "train.jsonl", ROWS)
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    monkeypatch.chdir(work)
+    assert main(["index", "data.train=./train.jsonl", *common]) == 0
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["index", f"data.train={work / 'train.jsonl'}", *common]) == 0  # the same job: nothing to redo
+    assert "already complete" in capsys.readouterr().out

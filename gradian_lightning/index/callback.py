@@ -33,6 +33,8 @@ from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.gradients.memory import SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.gradients.weights import weights_digest
+from gradian_lightning.hub import normalized_name
 from gradian_lightning.index.checkpoints import register_checkpoint
 from gradian_lightning.index.layout import fingerprint, read_meta
 from gradian_lightning.index.writer import IndexWriter
@@ -316,8 +318,12 @@ class GradientIndexer(L.Callback):
         config = getattr(self.model, "config", None)
         model = {
             "class": type(self.model).__name__,
-            "name_or_path": getattr(config, "_name_or_path", None)
-            or self.extra_meta.get("model", {}).get("name_or_path"),
+            "name_or_path": normalized_name(
+                getattr(config, "_name_or_path", None) or self.extra_meta.get("model", {}).get("name_or_path")
+            ),
+            # What a query's model must hold (query/rows.py); not in `identity`: re-indexing a fit's
+            # later step, with other weights, replaces the index of the same job.
+            "weights_sha256": weights_digest(self.model),
             "revision": self.extra_meta.get("model", {}).get("revision"),
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "vocab_size": getattr(config, "vocab_size", None),

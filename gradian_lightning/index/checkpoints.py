@@ -38,6 +38,7 @@ def checkpoint_entries(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
             "lr": meta.get("lr"),
             "group": "",
             "complete": bool(meta.get("complete")),
+            "weights_sha256": (meta.get("model") or {}).get("weights_sha256"),
         }
     ]
 
@@ -68,7 +69,16 @@ def register_checkpoint(
     group = root.open_group("a")
     group.require_group(GROUP)
     entries = [e for e in (old or {}).get("checkpoints", []) if int(e["step"]) != int(step)]
-    entries.append({"step": int(step), "lr": lr, "group": checkpoint_group(step), "complete": bool(complete)})
+    weights = (meta.get("model") or {}).get("weights_sha256")  # which checkpoint a query's weights are
+    entries.append(
+        {
+            "step": int(step),
+            "lr": lr,
+            "group": checkpoint_group(step),
+            "complete": bool(complete),
+            "weights_sha256": weights,
+        }
+    )
     entries.sort(key=lambda e: e["step"])
     newest = meta if int(step) >= entries[-1]["step"] else dict((old or meta))
     group.attrs[ATTRIBUTE] = {

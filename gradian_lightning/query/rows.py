@@ -24,7 +24,8 @@ from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.hub import pad_token_id
+from gradian_lightning.gradients.weights import weights_digest
+from gradian_lightning.hub import normalized_name, pad_token_id
 from gradian_lightning.index.layout import decode, encode
 from gradian_lightning.index.reader import IndexReader
 
@@ -35,7 +36,7 @@ def _describe_model(model: nn.Module) -> Dict[str, Any]:
     config = getattr(model, "config", None)
     return {
         "class": type(model).__name__,
-        "name_or_path": getattr(config, "_name_or_path", None) or None,
+        "name_or_path": normalized_name(getattr(config, "_name_or_path", None) or None),
         "vocab_size": getattr(config, "vocab_size", None),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
@@ -64,14 +65,23 @@ def index_mismatches(
     if model is None:
         return found
     ours, theirs = _describe_model(model), meta.get("model", {})
-    for key, what in (
-        ("class", "model class"),
-        ("name_or_path", "model"),
-        ("vocab_size", "vocabulary size"),
-        ("dtype", "model dtype"),
-    ):
-        if ours[key] is not None and theirs.get(key) is not None and ours[key] != theirs[key]:
-            found.append(f"{what} is {ours[key]!r} here but {theirs[key]!r} in the index")
+    kind = [
+        f"{what} is {ours[key]!r} here but {theirs[key]!r} in the index"
+        for key, what in (("class", "model class"), ("vocab_size", "vocabulary size"), ("dtype", "model dtype"))
+        if ours[key] is not None and theirs.get(key) is not None and ours[key] != theirs[key]
+    ]
+    found += kind
+    indexed = theirs.get("weights_sha256")
+    if kind:
+        pass  # other weights follow from another class, vocabulary or dtype; the digest would only repeat it
+    elif indexed is None:  # an index from before weights were recorded, or of a sharded model: the name decides
+        name = normalized_name(theirs.get("name_or_path"))
+        if ours["name_or_path"] is not None and name is not None and ours["name_or_path"] != name:
+            found.append(f"model is {ours['name_or_path']!r} here but {name!r} in the index")
+    else:
+        here = weights_digest(model)
+        if here is not None and here != indexed:
+            found.append(_other_weights(here, indexed, theirs.get("name_or_path"), meta))
     linears = dict(model.named_modules())
     modules_found = True
     for block in meta.get("modules", []):
@@ -100,6 +110,19 @@ def index_mismatches(
                 f"grads.module_filter={settings['module_filter']!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index"
             )
     return found
+
+
+def _other_weights(here: str, indexed: str, name: Optional[str], meta: Dict[str, Any]) -> str:
+    """The phrase for a model whose weights are not the ones these rows were made with."""
+    at = f" at step {meta['global_step']}" if meta.get("global_step") is not None else ""
+    phrase = f"the model's weights are not those the index was built with{at} (weights digest {here} here, {indexed} in the index, built from {name!r})"
+    held = [int(e["step"]) for e in meta.get("checkpoints", []) if e.get("weights_sha256") == here]
+    if held:
+        return (
+            phrase
+            + f"; they are the weights of its checkpoint at step {held[0]}: score with that checkpoint (query.checkpoints=[{held[0]}], or index.at({held[0]}))"
+        )
+    return phrase
 
 
 def check_matches_index(

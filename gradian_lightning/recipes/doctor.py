@@ -148,7 +148,7 @@ def _installed(module: str, extra: str) -> Optional[str]:
     try:
         # find_spec("dask.array") imports the parent package, so a missing `dask` raises here.
         found = importlib.util.find_spec(module) is not None
-    except ImportError:
+    except (ImportError, ValueError):  # ValueError: a module imported without a spec
         found = False
     if not found:
         return f'{module.split(".")[0]} is not installed (pip install "gradian-lightning[{extra}]")'

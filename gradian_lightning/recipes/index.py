@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from gradian_lightning.config import require
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, pad_token_id
+from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, normalized_name, pad_token_id
 from gradian_lightning.index.callback import GradientIndexer
 from gradian_lightning.index.location import Location
 from gradian_lightning.recipes.plan import format_index_start, index_layout
@@ -97,9 +97,9 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     Location(str(cfg.index.path))  # so does an s3:// or gs:// path whose filesystem is not installed
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "model": {"name_or_path": cfg.model.name_or_path, "revision": cfg.model.revision},
+        "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
         "data": {
-            "path": str(cfg.data.train),
+            "path": normalized_name(str(cfg.data.train)),  # resolved: a resume from another folder is the same job
             "sha256": file_sha256(cfg.data.train),
             "max_seq_length": cfg.grads.max_seq_length,
         },
