@@ -10,7 +10,6 @@ to score the ranking afterwards (recall@k), never to make it.
 from __future__ import annotations
 
 import copy
-import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Iterable, List
@@ -21,6 +20,8 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.index.callback import GradientIndexer
+from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.index.location import Location
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.topk import open_index
 from gradian_lightning.recipes.query import results_for, write_results
@@ -138,8 +139,9 @@ def run_quickstart(
     shuffled = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=batches)
     in_order = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=batches)
     # A fresh index each run: checkpoints of an earlier run at other steps must not be summed in.
-    if (out_dir / "index").exists():
-        shutil.rmtree(out_dir / "index")
+    # Only an index is removed there: `--out` pointed at a folder of the user's keeps its files.
+    earlier = Location(out_dir / "index")
+    earlier.remove_index(holds_index=stored_meta(earlier) is not None)
     # Validation runs after every epoch: each run adds one checkpoint to the index.
     indexer = GradientIndexer(
         out_dir / "index",
