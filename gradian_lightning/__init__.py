@@ -57,6 +57,7 @@ from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.topk import Index, Ranking, open_index, streaming_topk
+from gradian_lightning.recipes.validate import validate
 
 __all__ = [
     "GradientIndexer",
@@ -76,4 +77,5 @@ __all__ = [
     "select_modules",
     "streaming_topk",
     "supervised_token_loss",
+    "validate",
 ]

@@ -101,6 +101,27 @@ def _query(args: argparse.Namespace) -> None:
     )
 
 
+def _validate(args: argparse.Namespace) -> None:
+    from gradian_lightning.config import load_config
+    from gradian_lightning.recipes.validate import run_validate
+
+    report = run_validate(load_config(args.config, args.overrides))
+    n = report["num_subsets"]
+    print(
+        f"\ngradian validate: LDS over {n} retrained subsets ({report['repeats']} run(s) each), mean ± standard error over {report['queries']} queries"
+    )
+    rows = [(s["name"], s["lds"], s["standard_error"]) for s in report["scorers"]]
+    rows.append(("random scores", report["random"]["lds"], report["random"]["standard_error"]))
+    if "ceiling" in report:
+        rows.append(("retraining noise ceiling", report["ceiling"]["lds"], report["ceiling"]["standard_error"]))
+    width = max(len(name) for name, _, _ in rows)
+    for name, lds, error in rows:
+        print(f"  {name:<{width}}  {lds:+.3f} ± {error:.3f}")
+    print(
+        f"  report: {report['output']}/lds.json, per query: {report['output']}/lds_per_query.jsonl; chart: {report['chart']}"
+    )
+
+
 def _quickstart(args: argparse.Namespace) -> None:
     from gradian_lightning.recipes.quickstart import run_quickstart
 
@@ -150,6 +171,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     query.add_argument("config", nargs="?", help="YAML config file (see configs/); index.path names the index")
     query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
     query.set_defaults(run=_query)
+    check = commands.add_parser(
+        "validate",
+        help="measure the scores' Linear Datamodeling Score: retrain on random subsets, see if the query losses move as the scores say",
+    )
+    check.add_argument("config", nargs="?", help="YAML config file (see configs/); validate.* sets the subsets")
+    check.add_argument("overrides", nargs="*", help="key=value settings, e.g. validate.num_subsets=24")
+    check.set_defaults(run=_validate)
     quick = commands.add_parser(
         "quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)"
     )
@@ -165,7 +193,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"gradian {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        resume = {"index": "the rows written so far are kept; rerun the same command to resume from them"}
+        resume = {
+            "index": "the rows written so far are kept; rerun the same command to resume from them",
+            "validate": "the finished training runs are kept; rerun the same command to resume from them",
+        }
         resume = resume.get(args.command, "nothing was written")
         print(f"gradian {args.command}: interrupted: {resume}", file=sys.stderr)
         return 130

@@ -78,7 +78,7 @@ class IndexConfig:
 @dataclass
 class QueryConfig:
     data: Optional[str] = None
-    top_k: int = 10
+    top_k: Any = 10  # an integer >= 1, or "all": every row, scored (what gradian validate needs)
     bottom_k: int = 0
     score: str = "cosine"
     normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
@@ -92,6 +92,23 @@ class QueryConfig:
     output: Optional[str] = None
 
 
+@dataclass
+class ValidateConfig:
+    """`gradian validate`: the Linear Datamodeling Score of the scoring on this data (docs/validate.md)."""
+
+    num_subsets: int = 32  # M models, each fine-tuned on a random alpha-subset of data.train
+    alpha: float = 0.5  # the fraction of training rows in each subset
+    seed: int = 0  # draws the subsets; subset m's r-th training run is seeded seed + 1000 r + m
+    repeats: int = 1  # training runs per subset with other seeds; >= 2 also measures the noise ceiling
+    epochs: int = 2
+    learning_rate: float = 1e-4
+    batch_size: int = 8
+    output: str = "runs/validate"  # per-subset query losses (kept, so a killed run resumes), LDS report
+    # Each entry is a dict of query.* settings to score with, over the query.* settings above; [] or
+    # null: the query.* settings alone.
+    scorers: Any = None
+
+
 def _default_trainer() -> Dict[str, Any]:
     return {"accelerator": "auto", "devices": 1}
 
@@ -103,6 +120,7 @@ class GradianConfig:
     grads: GradsConfig = field(default_factory=GradsConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     query: QueryConfig = field(default_factory=QueryConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
     # Handed to lightning.Trainer as keyword arguments, unchanged.
     trainer: Dict[str, Any] = field(default_factory=_default_trainer)
 
@@ -209,7 +227,12 @@ def validate(cfg: DictConfig) -> None:
     module_patterns(g.module_filter)
     _check(cfg.model.dtype in MODEL_DTYPES, "model.dtype", cfg.model.dtype, " or ".join(MODEL_DTYPES))
     q = cfg.query
-    _check(q.top_k >= 1, "query.top_k", q.top_k, "an integer >= 1")
+    _check(
+        q.top_k == "all" or (isinstance(q.top_k, int) and not isinstance(q.top_k, bool) and q.top_k >= 1),
+        "query.top_k",
+        q.top_k,
+        'an integer >= 1, or "all" for every row',
+    )
     _check(q.bottom_k >= 0, "query.bottom_k", q.bottom_k, "an integer >= 0")
     _check(q.score in SCORES, "query.score", q.score, " or ".join(SCORES))
     _check(q.normalize in NORMALIZE, "query.normalize", q.normalize, " or ".join(NORMALIZE))
@@ -234,6 +257,20 @@ def validate(cfg: DictConfig) -> None:
         "query.checkpoints",
         steps,
         "last, all or a list of checkpoint steps",
+    )
+    v = cfg.validate
+    _check(v.num_subsets >= 2, "validate.num_subsets", v.num_subsets, "an integer >= 2 (a rank correlation needs two)")
+    _check(0 < v.alpha < 1, "validate.alpha", v.alpha, "a fraction between 0 and 1, such as 0.5")
+    _check(v.repeats >= 1, "validate.repeats", v.repeats, "an integer >= 1")
+    _check(v.epochs >= 1, "validate.epochs", v.epochs, "an integer >= 1")
+    _check(v.learning_rate > 0, "validate.learning_rate", v.learning_rate, "a number > 0")
+    _check(v.batch_size >= 1, "validate.batch_size", v.batch_size, "an integer >= 1")
+    scorers = OmegaConf.to_object(v.scorers) if OmegaConf.is_config(v.scorers) else v.scorers
+    _check(
+        scorers is None or (isinstance(scorers, list) and all(isinstance(s, dict) for s in scorers)),
+        "validate.scorers",
+        scorers,
+        "a list of dicts of query.* settings, e.g. [{precondition: none}, {score: inner}]",
     )
 
 

@@ -173,12 +173,13 @@ def _answer(
             loss_chunk_tokens=g.loss_chunk_tokens,
         )
     q = cfg.query
+    top_k = len(index) if q.top_k == "all" else q.top_k
     if client is not None:
         (step,) = rows
         top, bottom = dask_topk(
             readers[step],
             rows[step],
-            q.top_k,
+            top_k,
             q.score,
             q.bottom_k,
             q.normalize,
@@ -188,7 +189,7 @@ def _answer(
         )
     else:
         top, bottom = streaming_topk(
-            index, rows, q.top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which
+            index, rows, top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which
         )
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)

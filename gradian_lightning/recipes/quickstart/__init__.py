@@ -25,6 +25,7 @@ from gradian_lightning.index.location import Location
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.topk import open_index
 from gradian_lightning.recipes.query import results_for, write_results
+from gradian_lightning.validation.retrain import FineTune
 
 HERE = Path(__file__).parent
 TRAIN, QUERIES = HERE / "train.jsonl", HERE / "queries.jsonl"
@@ -70,28 +71,6 @@ def tiny_llama(vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0
         pad_token_id=0,
     )
     return LlamaForCausalLM(config)
-
-
-class FineTune(L.LightningModule):
-    """Plain causal-LM fine-tuning; its validation step only logs the loss."""
-
-    def __init__(self, model: Any, lr: float = 3e-3) -> None:
-        super().__init__()
-        self.model, self.lr = model, lr
-
-    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
-        ).loss
-
-    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
-
-    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), batch_size=len(batch["index"]), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def recall_at(results: List[Dict[str, Any]], sources: List[str], k: int) -> float:

@@ -1,0 +1,195 @@
+"""The `gradian validate` recipe: the Linear Datamodeling Score of the scoring, on the user's own data.
+
+    cfg = load_config("my.yaml", ["validate.num_subsets=24"])
+    report = run_validate(cfg)                       # or validate(cfg, module_factory=..., trainer_kwargs=...)
+
+It trains `validate.num_subsets` models on random `validate.alpha`-subsets of `data.train` (a plain
+Lightning fine-tune of the base model; `validate.repeats` runs per subset), records every query's
+loss under each, scores every query against every row of the index at `index.path` with each
+scorer, and reports each scorer's LDS beside random scores' and, with repeats, the noise ceiling.
+The protocol and its caveats: docs/validate.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import lightning as L
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from tqdm.auto import tqdm
+
+from gradian_lightning.config import require
+from gradian_lightning.config import validate as check_settings
+from gradian_lightning.data import read_jsonl
+from gradian_lightning.errors import ConfigError, GradianError, MissingExtraError
+from gradian_lightning.extras import require_extra
+from gradian_lightning.hub import file_sha256, load_tokenizer_and_config, normalized_name
+from gradian_lightning.index.callback import find_causal_lm
+from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.recipes.query import run_query
+from gradian_lightning.saved_models import load_saved_model
+from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, spearman
+from gradian_lightning.validation.retrain import FineTune, fine_tune, query_losses, run_seed
+from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
+
+
+def scorer_name(scorer: Dict[str, Any]) -> str:
+    """A scorer's label: its query.* settings, or "query.* settings" for none."""
+    return ", ".join(f"{k}={v}" for k, v in scorer.items()) or "query.* settings"
+
+
+def _scoring_config(cfg: DictConfig, scorer: Dict[str, Any]) -> DictConfig:
+    """`cfg` with the scorer's query.* settings, asking for every row's score."""
+    try:
+        merged = OmegaConf.merge(cfg, {"query": {**scorer, "top_k": "all", "bottom_k": 0, "output": None}})
+    except OmegaConfBaseException as err:
+        raise ConfigError(
+            f"setting 'validate.scorers' entry {scorer!r}: {str(getattr(err, 'msg', err)).splitlines()[0]}; each entry is a dict of query.* settings"
+        ) from None
+    check_settings(merged)
+    return merged
+
+
+def score_matrix(cfg: DictConfig, num_queries: int, num_rows: int) -> np.ndarray:
+    """Float64 [Q, N]: every query's score of every index row (0 for rows that are never ranked:
+    no supervised token, not finite, not written), as `gradian query` computes them."""
+    matrix = np.zeros((num_queries, num_rows))
+    for q, entry in enumerate(run_query(cfg)["results"]):
+        for result in entry["results"]:
+            matrix[q, result["index"]] = result["score"]
+    return matrix
+
+
+def _default_factory(cfg: DictConfig, base: str) -> Callable[[], L.LightningModule]:
+    return lambda: FineTune(load_saved_model(cfg.model, base)[0].train(), cfg.validate.learning_rate)
+
+
+def run_validate(
+    cfg: DictConfig,
+    module_factory: Optional[Callable[[], L.LightningModule]] = None,
+    trainer_kwargs: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """Measure the LDS of each `validate.scorers` entry on `data.train` and `query.data`; write the
+    report to `validate.output` (lds.json, lds_per_query.jsonl, lds.png with matplotlib) and return it.
+
+    `module_factory()` makes a fresh LightningModule to fine-tune on each subset (default: a plain
+    AdamW fine-tune of the base model: `model.checkpoints[0]`, or `model.name_or_path`); the
+    Hugging Face model inside it gives the query losses. `trainer_kwargs` go to each subset's
+    `lightning.Trainer` (default: `trainer.accelerator` and `trainer.precision`, one device).
+    Finished training runs are kept on disk; a rerun with the same settings resumes.
+    """
+    require(cfg, "model.name_or_path", "data.train", "query.data")
+    v, g = cfg.validate, cfg.grads
+    train_rows, queries = read_jsonl(cfg.data.train), read_jsonl(cfg.query.data)
+    scorers = [
+        dict(s) for s in (OmegaConf.to_object(v.scorers) if OmegaConf.is_config(v.scorers) else v.scorers) or []
+    ] or [{}]
+    scoring = [_scoring_config(cfg, s) for s in scorers]  # bad scorers fail before any training
+    meta = stored_meta(str(cfg.index.path))
+    if meta is None:
+        raise ConfigError(
+            f"setting 'index.path'={str(cfg.index.path)!r} holds no Gradian index; gradian validate scores with the index of data.train: build it first with gradian index and the same settings"
+        )
+    indexed = (meta.get("data") or {}).get("sha256")
+    if indexed is not None and indexed != file_sha256(cfg.data.train):
+        raise ConfigError(
+            f"setting 'data.train'={str(cfg.data.train)!r} is not the file the index at {str(cfg.index.path)!r} was built from; validate with the indexed data, or re-index"
+        )
+    base = (list(cfg.model.checkpoints or []) or [cfg.model.name_or_path])[0]
+    plan = {
+        "data_sha256": file_sha256(cfg.data.train),
+        "queries_sha256": file_sha256(cfg.query.data),
+        "base": normalized_name(str(base)),
+        "max_seq_length": g.max_seq_length,
+        "custom_module": module_factory is not None,
+        **{k: v[k] for k in ("num_subsets", "alpha", "seed", "repeats", "epochs", "learning_rate", "batch_size")},
+    }
+    runs = SubsetRuns(v.output, plan, len(train_rows))
+    make_module = module_factory or _default_factory(cfg, str(base))
+    if trainer_kwargs is None:
+        trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+        trainer_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
+        trainer_kwargs["devices"] = 1
+    todo = runs.todo()
+    total = len(runs.subsets) * runs.repeats
+    tokenizer = load_tokenizer_and_config(cfg.model)[0] if todo else None  # a fine-tune keeps its base's tokenizer
+    with tqdm(total=total, initial=total - len(todo), desc="gradian validate: training runs", unit="run") as bar:
+        for m, r in todo:
+            seed = run_seed(v.seed, m, r)
+            started = time.perf_counter()
+            module = make_module()
+            model = find_causal_lm(module)
+            rows = [train_rows[i] for i in np.flatnonzero(runs.subsets[m])]
+            fine_tune(module, rows, tokenizer, g.max_seq_length, v.batch_size, v.epochs, seed, trainer_kwargs)
+            losses = query_losses(model, tokenizer, queries, g.max_seq_length, v.batch_size)
+            if not np.isfinite(losses).all():
+                raise GradianError(
+                    f"training run {r} of subset {m} gave non-finite query losses; lower validate.learning_rate (now {v.learning_rate})"
+                )
+            runs.save(m, r, seed, losses, time.perf_counter() - started)
+            bar.update(1)
+    losses = runs.losses()  # [repeats, M, Q]
+    outputs = -losses.mean(axis=0)  # [M, Q]: the measured output, averaged over repeats
+    report: Dict[str, Any] = {
+        "num_subsets": len(runs.subsets),
+        "repeats": runs.repeats,
+        "queries": len(queries),
+        "scorers": [],
+    }
+    per_query: List[Dict[str, Any]] = []
+    for scorer, scoring_cfg in zip(scorers, scoring):
+        lds = linear_datamodeling_score(score_matrix(scoring_cfg, len(queries), len(train_rows)), runs.subsets, outputs)
+        mean, error = mean_and_standard_error(lds)
+        report["scorers"].append({"scorer": scorer, "name": scorer_name(scorer), "lds": mean, "standard_error": error})
+        per_query += [{"scorer": scorer_name(scorer), "query": q, "lds": _finite(x)} for q, x in enumerate(lds)]
+    noise = np.random.default_rng(v.seed).standard_normal((len(queries), len(train_rows)))
+    report["random"] = dict(
+        zip(("lds", "standard_error"), mean_and_standard_error(linear_datamodeling_score(noise, runs.subsets, outputs)))
+    )
+    if runs.repeats >= 2:  # how well one retraining predicts another: what no scorer can beat
+        ceiling = spearman(-losses[0].T, -losses[1].T)
+        report["ceiling"] = dict(zip(("lds", "standard_error"), mean_and_standard_error(ceiling)))
+    output = Path(v.output)
+    write_json_atomically(output / "lds.json", report)
+    (output / "lds_per_query.jsonl").write_text("".join(json.dumps(row) + "\n" for row in per_query))
+    report["chart"] = _chart(report, output / "lds.png")
+    report["output"] = str(output)
+    return report
+
+
+def _finite(x: float) -> Optional[float]:
+    return float(x) if np.isfinite(x) else None
+
+
+def _chart(report: Dict[str, Any], path: Path) -> str:
+    """A bar chart of each scorer's LDS (± standard error), random's and the ceiling; the path, or why none was drawn."""
+    try:
+        matplotlib = require_extra("matplotlib", "bench", "the LDS bar chart")
+    except MissingExtraError as err:
+        return f"not drawn: {err}"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(s["name"], s["lds"], s["standard_error"]) for s in report["scorers"]]
+    bars.append(("random scores", report["random"]["lds"], report["random"]["standard_error"]))
+    if "ceiling" in report:
+        bars.append(("retraining noise ceiling", report["ceiling"]["lds"], report["ceiling"]["standard_error"]))
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(bars)))
+    names, values, errors = zip(*bars)
+    ax.barh(range(len(bars)), values, xerr=[e if np.isfinite(e) else 0 for e in errors], color="#4878a8")
+    ax.set_yticks(range(len(bars)), names)
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_xlabel(f"LDS (Spearman over {report['num_subsets']} subsets, mean over {report['queries']} queries)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+validate = run_validate  # gradian_lightning.validate

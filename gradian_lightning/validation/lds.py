@@ -1,0 +1,60 @@
+"""The Linear Datamodeling Score (LDS; Park et al., TRAK, 2023), as Bergson, dattri and Kronfluence report it.
+
+For M models trained on subsets S_1..S_M of the training rows and Q queries: a scorer predicts
+model m's output on query q as the sum of its scores of the rows in S_m; the measured output is
+-loss (the query's supervised-token loss summed, under model m). A query's LDS is the Spearman
+rank correlation of the two over the M subsets; the score of a scorer is the mean over queries.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+
+def average_ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 0..n-1 of the last axis of `values` [..., n], ties given their average rank (float64)."""
+    values = np.asarray(values, dtype=np.float64)
+    order = np.argsort(values, axis=-1, kind="stable")
+    ordered = np.take_along_axis(values, order, axis=-1)
+    ranks = np.empty_like(values)
+    for index in np.ndindex(values.shape[:-1]):
+        row = ordered[index]
+        # Each run of equal values gets the mean of the positions it spans.
+        starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        ends = np.r_[starts[1:], len(row)]
+        mean_position = np.repeat((starts + ends - 1) / 2.0, ends - starts)
+        ranks[index + (order[index],)] = mean_position
+    return ranks
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Spearman's rho between a and b along the last axis ([..., n] each): the Pearson correlation
+    of their average ranks. NaN where either side is constant (no ranking to compare)."""
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra -= ra.mean(axis=-1, keepdims=True)
+    rb -= rb.mean(axis=-1, keepdims=True)
+    denominator = np.sqrt((ra * ra).sum(axis=-1) * (rb * rb).sum(axis=-1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denominator > 0, (ra * rb).sum(axis=-1) / denominator, np.nan)
+
+
+def linear_datamodeling_score(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> np.ndarray:
+    """Per-query LDS [Q] float64.
+
+    scores [Q, N]: each query's score of each training row; subsets [M, N] bool: the rows each
+    model was trained on; outputs [M, Q]: each model's measured output per query (-loss).
+    """
+    predicted = np.asarray(subsets, dtype=np.float64) @ np.asarray(scores, dtype=np.float64).T  # [M, Q]
+    return spearman(predicted.T, np.asarray(outputs, dtype=np.float64).T)
+
+
+def mean_and_standard_error(values: np.ndarray) -> Tuple[float, float]:
+    """Mean and standard error of the mean over the finite values (NaN, NaN when none)."""
+    finite = np.asarray(values, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    if len(finite) == 0:
+        return float("nan"), float("nan")
+    error = finite.std(ddof=1) / np.sqrt(len(finite)) if len(finite) > 1 else float("nan")
+    return float(finite.mean()), float(error)

@@ -1,0 +1,172 @@
+"""`gradian validate`: the LDS maths against an independent computation, a planted case with a known
+answer, and the command end to end on a tiny model, killed and resumed."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ROWS, write_jsonl
+
+from gradian_lightning.cli import main
+from gradian_lightning.validation.lds import linear_datamodeling_score, spearman
+from gradian_lightning.validation.subsets import random_subsets
+
+
+def reference_spearman(a, b):
+    """Spearman's rho by its definition, written independently: average ranks by counting, then Pearson."""
+
+    def ranks(x):
+        return np.array([np.sum(x < v) + (np.sum(x == v) - 1) / 2 for v in x], dtype=float)
+
+    return float(np.corrcoef(ranks(np.asarray(a)), ranks(np.asarray(b)))[0, 1])
+
+
+def test_spearman_matches_its_definition_with_ties():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 5, size=(6, 30)).astype(float)  # many ties
+    b = a + rng.normal(size=a.shape)
+    got = spearman(a, b)
+    assert got.shape == (6,)
+    np.testing.assert_allclose(got, [reference_spearman(x, y) for x, y in zip(a, b)], rtol=1e-12)
+    assert np.isnan(spearman(np.ones(5), np.arange(5.0)))  # a constant side has no ranking
+
+
+def test_a_scorer_equal_to_the_true_effect_reaches_lds_near_one_and_random_near_zero():
+    rng = np.random.default_rng(1)
+    queries, rows, models = 10, 80, 64
+    effect = rng.normal(size=(queries, rows))  # each row's true effect on each query's output
+    subsets = random_subsets(rows, models, 0.5, seed=2)
+    assert (subsets.sum(axis=1) == 40).all()
+    outputs = subsets @ effect.T + 0.05 * rng.normal(size=(models, queries))  # what training did, plus noise
+    truth = linear_datamodeling_score(effect, subsets, outputs)
+    assert truth.shape == (queries,) and truth.min() > 0.95
+    random = linear_datamodeling_score(rng.normal(size=(queries, rows)), subsets, outputs)
+    assert abs(random.mean()) < 0.1
+    # and the per-query values are Spearman of the summed scores, as defined
+    predicted = subsets @ effect.T
+    assert truth[3] == pytest.approx(reference_spearman(predicted[:, 3], outputs[:, 3]), abs=1e-12)
+
+
+def _index(tmp_path, saved_model, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    queries = write_jsonl(tmp_path / "queries.jsonl", ROWS[:3])
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"data.train={data}",
+        f"query.data={queries}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        "grads.batch_size=4",
+    ]
+    assert main(["index", *common]) == 0
+    capsys.readouterr()
+    return common
+
+
+def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, saved_model, capsys, monkeypatch):
+    common = _index(tmp_path, saved_model, capsys)
+    out = tmp_path / "validate"
+    args = [
+        "validate",
+        *common,
+        f"validate.output={out}",
+        "validate.num_subsets=4",
+        "validate.epochs=1",
+        "validate.batch_size=4",
+        "validate.learning_rate=0.01",
+        "validate.repeats=2",
+        "validate.scorers=[{},{score: inner, precondition: none}]",
+    ]
+    import gradian_lightning.recipes.validate as recipe
+
+    real, calls = recipe.fine_tune, []
+
+    def killed_on_the_fifth_run(*a, **k):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(recipe, "fine_tune", killed_on_the_fifth_run)
+    assert main(args) == 130
+    assert "the finished training runs are kept; rerun the same command" in capsys.readouterr().err
+    kept = sorted((out / "subsets").glob("*.json"))
+    assert len(kept) == 4 and not list((out / "subsets").glob("*.part"))
+    before = {p: p.read_text() for p in kept}
+    calls.clear()
+    monkeypatch.setattr(recipe, "fine_tune", real)
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "gradian validate: LDS over 4 retrained subsets (2 run(s) each)" in printed
+        and "retraining noise ceiling" in printed
+    )
+    assert all(p.read_text() == text for p, text in before.items())  # the finished runs were kept, not redone
+    assert len(list((out / "subsets").glob("*.json"))) == 8
+
+    report = json.loads((out / "lds.json").read_text())
+    assert [s["name"] for s in report["scorers"]] == ["query.* settings", "score=inner, precondition=none"]
+    per_query = [json.loads(line) for line in (out / "lds_per_query.jsonl").read_text().splitlines()]
+    assert len(per_query) == 2 * 3
+
+    # Independent recomputation of the inner/none scorer's LDS from what is on disk and gradian query's scores.
+    subsets = np.array(json.loads((out / "plan.json").read_text())["subsets"], dtype=bool)
+    losses = np.array(
+        [
+            [
+                json.loads((out / "subsets" / f"subset-{m:03d}-repeat-{r}.json").read_text())["query_loss"]
+                for m in range(4)
+            ]
+            for r in range(2)
+        ]
+    )
+    results = tmp_path / "all.jsonl"
+    assert (
+        main(
+            [
+                "query",
+                *common,
+                "query.top_k=all",
+                "query.score=inner",
+                "query.precondition=none",
+                f"query.output={results}",
+            ]
+        )
+        == 0
+    )
+    scores = np.zeros((3, len(ROWS)))
+    for q, line in enumerate(results.read_text().splitlines()):
+        for r in json.loads(line)["results"]:
+            scores[q, r["index"]] = r["score"]
+    outputs = -losses.mean(axis=0)
+    expected = [reference_spearman(subsets.astype(float) @ scores[q], outputs[:, q]) for q in range(3)]
+    got = [row["lds"] for row in per_query if row["scorer"] == "score=inner, precondition=none"]
+    np.testing.assert_allclose(got, expected, atol=1e-9)
+
+
+def test_top_k_all_ranks_every_row(tmp_path, saved_model, capsys):
+    common = _index(tmp_path, saved_model, capsys)
+    results = tmp_path / "r.jsonl"
+    assert main(["query", *common, "query.top_k=all", f"query.output={results}"]) == 0
+    ranked = [json.loads(line)["results"] for line in results.read_text().splitlines()]
+    assert all(sorted(r["index"] for r in rows) == list(range(len(ROWS))) for rows in ranked)
+
+
+def test_validate_settings_and_a_missing_index_are_one_line(tmp_path, capsys):
+    assert main(["validate", "validate.alpha=1.5"]) == 2
+    assert "setting 'validate.alpha'=1.5 is not allowed; use a fraction between 0 and 1" in capsys.readouterr().err
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    assert (
+        main(
+            [
+                "validate",
+                "model.name_or_path=x",
+                f"data.train={data}",
+                f"query.data={data}",
+                f"index.path={tmp_path / 'none'}",
+            ]
+        )
+        == 2
+    )
+    assert "holds no Gradian index; gradian validate scores with the index of data.train" in capsys.readouterr().err
