@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install quickstart lint
+.PHONY: test test-fast install quickstart lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,10 @@ install: $(BIN)/python
 
 test: install
 	$(BIN)/python -m pytest
+
+# Everything but the tests marked slow (child processes, SmolLM2, benchmark scripts): for the edit-test loop.
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
 
 quickstart: install
 	$(BIN)/gradian quickstart

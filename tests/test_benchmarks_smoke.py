@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from smollm2 import smollm2_dir
 
+pytestmark = pytest.mark.slow  # every benchmark script end to end on small inputs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {
     "capture_overhead": "| tiny | index down_proj |",

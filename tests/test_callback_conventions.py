@@ -60,10 +60,15 @@ class FineTune(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def fit(tmp_path, tokenizer, dataset, crash_at_step=None, ckpt_path=None, epochs=2):
+def fit(tmp_path, tokenizer, dataset, crash_at_step=None, ckpt_path=None, epochs=2, every_n_val_runs=1):
     L.seed_everything(0, verbose=False)
     indexer = GradientIndexer(
-        str(tmp_path / "ix-{step}"), "down_proj", projection_dim=4, storage_dtype="float32", verbose=False
+        str(tmp_path / "ix-{step}"),
+        "down_proj",
+        projection_dim=4,
+        storage_dtype="float32",
+        verbose=False,
+        every_n_val_runs=every_n_val_runs,
     )
     checkpoints = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}"
@@ -185,10 +190,20 @@ def test_summary_line_goes_through_lightnings_rank_zero_logger_and_verbose_false
     assert lines == [f"GradientIndexer: step 0: 7/7 rows in {tmp_path / 'a'} (complete)"]
 
 
-def test_every_n_val_runs_counts_on_across_a_checkpoint(tmp_path):
+def test_every_n_val_runs_counts_on_across_a_checkpoint(tmp_path, tokenizer, rows):
     """A resumed fit indexes the same validation runs as an uninterrupted one: the count is in the state."""
-    before = GradientIndexer(tmp_path / "ix", checkpoints=True, every_n_val_runs=2)
-    before._val_runs = 3
-    after = GradientIndexer(tmp_path / "ix", checkpoints=True, every_n_val_runs=2)
-    after.load_state_dict(before.state_dict())
-    assert after._val_runs == 3
+    dataset = JsonlDataset(rows, tokenizer, 64)
+    whole = fit(tmp_path / "whole", tokenizer, dataset, epochs=4, every_n_val_runs=2)
+    assert [r["step"] for r in whole.runs] == [8, 16]  # validation runs 2 and 4 (4 steps an epoch)
+    fit(tmp_path / "cut", tokenizer, dataset, epochs=1, every_n_val_runs=2)  # run 1: not indexed, checkpoint at step 4
+    resumed = fit(
+        tmp_path / "cut",
+        tokenizer,
+        dataset,
+        epochs=4,
+        every_n_val_runs=2,
+        ckpt_path=tmp_path / "cut" / "ckpt" / "step=4.ckpt",
+    )
+    # Counting from the checkpoint's one run, the resumed runs at steps 8, 12, 16 are runs 2, 3, 4;
+    # counting afresh would index step 12 alone.
+    assert [r["step"] for r in resumed.runs] == [8, 16]

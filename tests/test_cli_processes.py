@@ -9,12 +9,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import zarr
 from conftest import ROWS, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
+
+pytestmark = pytest.mark.slow  # the CLI in child processes (DDP ranks, SIGKILL and resume)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -49,6 +49,7 @@ if __name__ == "__main__":  # worker processes re-import this file as __mp_main_
 """
 
 
+@pytest.mark.slow  # a two-worker LocalCluster
 def test_dask_ranks_like_the_local_scorer_on_two_workers(tmp_path, saved_model, monkeypatch, capsys):
     n, d, chunk = 41, 8, 6  # 7 chunks, the last one short: several blocks on each worker
     monkeypatch.setattr(layout, "CHUNK_BYTES", chunk * d * 2)

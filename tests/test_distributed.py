@@ -1,12 +1,15 @@
 """Two CPU ranks (gloo, ddp_fork): each rank computes its share, rank 0 writes every row in place."""
 
 import lightning as L
+import pytest
 import torch
 from test_callback import FineTune
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index
 from gradian_lightning.data import JsonlDataset, collate
+
+pytestmark = pytest.mark.slow  # two CPU ranks in child processes
 
 
 class RecordingIndexer(GradientIndexer):

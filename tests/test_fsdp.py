@@ -35,6 +35,8 @@ from gradian_lightning import GradientIndexer
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.recipes.index import CausalLMModule
 
+pytestmark = pytest.mark.slow  # two CPU ranks in child processes
+
 
 class Sharded(CausalLMModule):
     def configure_model(self):  # FSDP2 as Lightning documents it: shard each decoder layer, then the root

@@ -22,4 +22,5 @@ def test_quickstart_answers_every_query_and_reports_recall_it_can_back(tmp_path)
     for k in (1, 10):
         hits = sum(q["source"] in [h["id"] for h in entry["results"][:k]] for q, entry in zip(queries, written))
         assert result[f"recall@{k}"] == hits / len(queries)
-    assert 0.0 <= result["recall@1"] <= result["recall@10"] <= 1.0
+    # One epoch already puts every planted source in the top 10 and most first (chance: 1/120 and 10/120).
+    assert result["recall@10"] >= 0.9 and result["recall@1"] >= 0.5

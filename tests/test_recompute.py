@@ -58,13 +58,8 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
     modules = select_modules(model, ["down_proj"])
     capture = LinearCapture(modules)
     capture.output_grads = lambda loss: (_ for _ in ()).throw(RuntimeError("killed in the backward"))
-    try:
-        with torch.enable_grad():
-            projected_gradients(
-                model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute="layers"
-            )
-    except RuntimeError as err:
-        assert "killed in the backward" in str(err)
+    with pytest.raises(RuntimeError, match="killed in the backward"), torch.enable_grad():
+        projected_gradients(model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute="layers")
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
     assert not capture._recomputing and not capture.outputs
 

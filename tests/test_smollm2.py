@@ -3,10 +3,13 @@
 import json
 
 import numpy as np
+import pytest
 from smollm2 import ROOT, smollm2_dir
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
+
+pytestmark = pytest.mark.slow  # the real SmolLM2-135M
 
 
 def test_index_and_query_smollm2_down_proj(tmp_path, capsys):

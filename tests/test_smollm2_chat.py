@@ -4,12 +4,15 @@ the assistant turns supervised, indexed and queried with the `gradian` CLI."""
 import json
 
 import numpy as np
+import pytest
 from smollm2 import ROOT, smollm2_dir
 from transformers import AutoTokenizer
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
 from gradian_lightning.data import JsonlDataset, read_jsonl
+
+pytestmark = pytest.mark.slow  # the real SmolLM2-135M
 
 TRAIN, QUERIES = ROOT / "tests/data/chat.jsonl", ROOT / "tests/data/chat_queries.jsonl"
 

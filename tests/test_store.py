@@ -108,6 +108,12 @@ def test_same_job_at_a_later_step_replaces_the_index(tmp_path):
     writer.close()
     later = IndexWriter(tmp_path / "ix", N, D, "float32", {**META, "global_step": 5})
     assert later.todo.all()
+    replaced = open_index(tmp_path / "ix")
+    assert not replaced.column("complete").any() and not replaced.rows(slice(None)).any()  # the old rows are gone
+    write(later, range(N), 2 * grads, loss)
+    later.close()
+    again = open_index(tmp_path / "ix")
+    assert again.meta["global_step"] == 5 and torch.equal(again.rows(slice(None)), 2 * grads)
 
 
 def test_not_an_index_or_wrong_version(tmp_path):
