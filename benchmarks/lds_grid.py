@@ -35,7 +35,8 @@ from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.hub import load_model_and_tokenizer
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.index import run_index
-from gradian_lightning.recipes.validate import run_validate, score_matrix
+from gradian_lightning.recipes.query import score_matrix
+from gradian_lightning.recipes.validate import run_validate
 from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error
 from gradian_lightning.validation.retrain import FineTune, fine_tune
 

@@ -38,7 +38,7 @@ from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.hub import load_model_and_tokenizer, pad_token_id
 from gradian_lightning.recipes.index import run_index
-from gradian_lightning.recipes.validate import score_matrix
+from gradian_lightning.recipes.query import score_matrix
 from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error
 
 

@@ -122,6 +122,13 @@ def _validate(args: argparse.Namespace) -> None:
     )
 
 
+def _report(args: argparse.Namespace) -> None:
+    from gradian_lightning.config import load_config
+    from gradian_lightning.recipes.report import run_report
+
+    print(f"gradian report: written to {run_report(load_config(args.config, args.overrides))}")
+
+
 def _quickstart(args: argparse.Namespace) -> None:
     from gradian_lightning.recipes.quickstart import run_quickstart
 
@@ -136,6 +143,7 @@ def _quickstart(args: argparse.Namespace) -> None:
         print(
             f"  recall@{k}: {result[f'recall@{k}']:.3f} ({round(result[f'recall@{k}'] * n)}/{n} queries have their source in the top {k})"
         )
+    print(f"  report: {result['report_path']} (open it in a browser: top rows, percentiles, token shares)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -171,6 +179,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     query.add_argument("config", nargs="?", help="YAML config file (see configs/); index.path names the index")
     query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
     query.set_defaults(run=_query)
+    page = commands.add_parser(
+        "report", help="one static HTML page of a query run: top rows, opponents, percentiles, token shares"
+    )
+    page.add_argument("config", nargs="?", help="YAML config file: the settings gradian query ran with")
+    page.add_argument("overrides", nargs="*", help="key=value settings, e.g. report.output=runs/report.html")
+    page.set_defaults(run=_report)
     check = commands.add_parser(
         "validate",
         help="measure the scores' Linear Datamodeling Score: retrain on random subsets, see if the query losses move as the scores say",

@@ -90,6 +90,16 @@ class QueryConfig:
         "all"  # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
     )
     output: Optional[str] = None
+    # Each result row also gets its supervised tokens' terms of the score (query/token_scores.py).
+    token_scores: bool = False
+
+
+@dataclass
+class ReportConfig:
+    """`gradian report`: one static HTML page of a query run (docs/report.md)."""
+
+    output: Optional[str] = None  # the page; null: query.output with .html
+    token_rows: int = 5  # the top rows (and opponents) of each query whose tokens are shaded
 
 
 @dataclass
@@ -121,6 +131,7 @@ class GradianConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     query: QueryConfig = field(default_factory=QueryConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     # Handed to lightning.Trainer as keyword arguments, unchanged.
     trainer: Dict[str, Any] = field(default_factory=_default_trainer)
 
@@ -258,6 +269,7 @@ def validate(cfg: DictConfig) -> None:
         steps,
         "last, all or a list of checkpoint steps",
     )
+    _check(cfg.report.token_rows >= 0, "report.token_rows", cfg.report.token_rows, "an integer >= 0")
     v = cfg.validate
     _check(v.num_subsets >= 2, "validate.num_subsets", v.num_subsets, "an integer >= 2 (a rank correlation needs two)")
     _check(0 < v.alpha < 1, "validate.alpha", v.alpha, "a fraction between 0 and 1, such as 0.5")

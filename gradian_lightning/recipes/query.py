@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import lightning as L
+import numpy as np
 from omegaconf import OmegaConf
 
 from gradian_lightning.config import require
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.hub import file_sha256
+from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
 from gradian_lightning.query.precondition import resolve
@@ -58,7 +60,6 @@ def write_results(path: str | Path, results: Sequence[Dict[str, Any]]) -> None:
 
 def _checkpoint_models(cfg: Any, index: Index, which: Any) -> List[tuple]:
     """(checkpoint step, model name_or_path) for each checkpoint the query scores with."""
-    from gradian_lightning.index.checkpoints import checkpoint_weights
 
     chosen = [int(e["step"]) for e, _ in checkpoint_weights(index.checkpoints, which)]
     if chosen == [index.checkpoints[-1]["step"]] and not cfg.model.checkpoints:
@@ -97,6 +98,62 @@ def check_writable(path: str | Path, key: str = "query.output") -> None:
 def written_rows(index: IndexReader) -> int:
     """How many rows of `index` are written (complete); all of them once the index is complete."""
     return len(index) if index.meta.get("complete") else int(index.column("complete").sum())
+
+
+def score_matrix(cfg: Any, num_queries: int, num_rows: int, fill: float = 0.0) -> np.ndarray:
+    """Float64 [Q, N]: every query's score of every index row as `gradian query` computes them
+    (cfg.query.top_k is taken as "all"), `fill` for rows that are never ranked (no supervised
+    token, not finite, not written)."""
+    matrix = np.full((num_queries, num_rows), fill)
+    for q, entry in enumerate(
+        run_query(OmegaConf.merge(cfg, {"query": {"top_k": "all", "bottom_k": 0, "output": None}}))["results"]
+    ):
+        for result in entry["results"]:
+            matrix[q, result["index"]] = result["score"]
+    return matrix
+
+
+def add_token_terms(
+    shown: List[Dict[str, Any]],
+    query: Dict[str, Any],
+    q_index: int,
+    train_rows: List[Dict[str, Any]],
+    readers: Dict[int, IndexReader],
+    models: Dict[int, tuple],
+    query_rows: Dict[int, Any],
+    weights: Dict[int, float],
+    q: Any,
+) -> None:
+    """Give each result in `shown` its "tokens" and "terms": every supervised token's share of its
+    score (None for the rest), summed over the scored checkpoints with their weights, so that the
+    terms add up to the score (from the unrounded rows; query/token_scores.py)."""
+    if not shown:
+        return
+    from gradian_lightning.query.token_scores import query_token_scores
+
+    wanted = [train_rows[r["index"]] for r in shown]
+    total: Optional[List[Dict[str, Any]]] = None
+    for step, weight in weights.items():
+        model, tokenizer = models[step]
+        explained = query_token_scores(
+            readers[step],
+            model,
+            tokenizer,
+            query,
+            wanted,
+            q.score,
+            q.normalize,
+            q.precondition,
+            q.damping,
+            query_rows[step][q_index].cpu(),
+        )
+        if total is None:
+            total = [{**e, "terms": [None if t is None else weight * t for t in e["terms"]]} for e in explained]
+        else:
+            for acc, e in zip(total, explained):
+                acc["terms"] = [None if a is None else a + weight * t for a, t in zip(acc["terms"], e["terms"])]
+    for result, e in zip(shown, total):
+        result["tokens"], result["terms"] = e["tokens"], e["terms"]
 
 
 def run_query(cfg: Any) -> Dict[str, Any]:
@@ -155,10 +212,12 @@ def _answer(
         raise ConfigError(
             f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {len(models)} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
         )
-    rows, readers = {}, {}
+    rows, readers, kept = {}, {}, {}
     for step, name in models:
         reader = readers[step] = index if step == index.step else index.at(step)
         model, tokenizer = load_saved_model(cfg.model, name)
+        if cfg.query.token_scores:
+            kept[step] = (model, tokenizer)  # for the token terms, after the ranking
         check_matches_index(reader, model, settings)
         model.to(fabric.device)
         rows[step] = query_gradients(
@@ -193,12 +252,27 @@ def _answer(
         )
     query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
-    if cfg.query.output:
-        write_results(cfg.query.output, results)
     data = index.meta.get("data") or {}
     # Snippets only from the very file that was indexed: an edited file no longer lines up.
     same_file = data.get("path") and Path(data["path"]).is_file() and file_sha256(data["path"]) == data.get("sha256")
     train_rows = read_jsonl(data["path"]) if same_file else None
+    if cfg.query.token_scores:
+        if train_rows is None:
+            raise ConfigError(
+                f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, unchanged at {data.get('path')!r}; restore that file or set query.token_scores=false"
+            )
+        weights = (
+            {int(e["step"]): w for e, w in checkpoint_weights(index.checkpoints, which)}
+            if len(rows) > 1
+            else {step: 1.0 for step in rows}
+        )
+        for q_index, entry in enumerate(results):
+            for key in ("results", "opponents"):
+                add_token_terms(
+                    entry.get(key, []), queries[q_index], q_index, train_rows, readers, kept, rows, weights, q
+                )
+    if cfg.query.output:
+        write_results(cfg.query.output, results)
     where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(fabric.device)
     used = resolve(index, q.precondition)
     return {

@@ -31,7 +31,7 @@ from gradian_lightning.extras import require_extra
 from gradian_lightning.hub import file_sha256, load_tokenizer_and_config, normalized_name
 from gradian_lightning.index.callback import find_causal_lm
 from gradian_lightning.index.layout import stored_meta
-from gradian_lightning.recipes.query import run_query
+from gradian_lightning.recipes.query import score_matrix
 from gradian_lightning.saved_models import load_saved_model
 from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, spearman
 from gradian_lightning.validation.retrain import FineTune, fine_tune, query_losses, run_seed
@@ -53,16 +53,6 @@ def _scoring_config(cfg: DictConfig, scorer: Dict[str, Any]) -> DictConfig:
         ) from None
     check_settings(merged)
     return merged
-
-
-def score_matrix(cfg: DictConfig, num_queries: int, num_rows: int) -> np.ndarray:
-    """Float64 [Q, N]: every query's score of every index row (0 for rows that are never ranked:
-    no supervised token, not finite, not written), as `gradian query` computes them."""
-    matrix = np.zeros((num_queries, num_rows))
-    for q, entry in enumerate(run_query(cfg)["results"]):
-        for result in entry["results"]:
-            matrix[q, result["index"]] = result["score"]
-    return matrix
 
 
 def _default_factory(cfg: DictConfig, base: str) -> Callable[[], L.LightningModule]:

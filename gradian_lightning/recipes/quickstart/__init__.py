@@ -15,16 +15,20 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.index.callback import GradientIndexer
+from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.query.rows import query_gradients
+from gradian_lightning.query.token_scores import query_token_scores
 from gradian_lightning.query.topk import open_index
 from gradian_lightning.recipes.query import results_for, write_results
+from gradian_lightning.recipes.report import report_data, scoring_text, write_report
 from gradian_lightning.validation.retrain import FineTune
 
 HERE = Path(__file__).parent
@@ -71,6 +75,55 @@ def tiny_llama(vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0
         pad_token_id=0,
     )
     return LlamaForCausalLM(config)
+
+
+def write_quickstart_report(
+    path, index, model, tokenizer, weights, rows, queries, train_rows, results, token_rows: int = 2
+):
+    """The quickstart's report (recipes/report.py): scores of every row, each checkpoint's share, and
+    the first `token_rows` rows' token terms summed over the checkpoints with their weights."""
+    n = len(index)
+    chosen = checkpoint_weights(index.checkpoints, "all")
+
+    def every_row(by_step, which):
+        top = index.topk(by_step, n, score="cosine", checkpoints=which, precondition="none")
+        matrix = np.full((len(queries), n), np.nan)
+        np.put_along_axis(matrix, top.indices.numpy(), top.scores.double().numpy(), axis=1)
+        return matrix
+
+    scores = every_row(rows, "all")
+    by_checkpoint = {
+        int(e["step"]): w * every_row({int(e["step"]): rows[int(e["step"])]}, [int(e["step"])]) for e, w in chosen
+    }
+
+    def explain(q, wanted, positions):
+        total = None
+        for entry, weight in chosen:
+            step = int(entry["step"])
+            model.load_state_dict(weights[step])
+            terms = query_token_scores(
+                index.at(step),
+                model,
+                tokenizer,
+                queries[q],
+                wanted,
+                "cosine",
+                "module",
+                "none",
+                query_row=rows[step][q],
+            )
+            if total is None:
+                total = [{**t, "terms": [None if x is None else weight * x for x in t["terms"]]} for t in terms]
+            else:
+                for acc, t in zip(total, terms):
+                    acc["terms"] = [None if a is None else a + weight * x for a, x in zip(acc["terms"], t["terms"])]
+        return total
+
+    note = f"Token terms (first {token_rows} rows) are summed over the {len(chosen)} checkpoints, as the score is, and add up to it."
+    text = scoring_text(index, "cosine", "module", "none", 0.0, len(chosen))
+    return write_report(
+        path, report_data(index, queries, train_rows, results, scores, by_checkpoint, explain, token_rows, text, note)
+    )
 
 
 def recall_at(results: List[Dict[str, Any]], sources: List[str], k: int) -> float:
@@ -157,13 +210,16 @@ def run_quickstart(
         rows[int(entry["step"])] = query_gradients(
             index.at(int(entry["step"])), model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES)
         )
-    model.load_state_dict(final)
     # No preconditioner: on this tiny model with a checkpoint per epoch it measured best (worst MRR
     # 0.87 over five training variants, fisher 0.76: benchmarks/results/quickstart_checkpoints.md).
     results = results_for(
         index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine", checkpoints="all", precondition="none")
     )
     write_results(out_dir / "results.jsonl", results)
+    report = write_quickstart_report(
+        out_dir / "report.html", index, model, tokenizer, snapshots.weights, rows, asked, train_rows, results
+    )
+    model.load_state_dict(final)
     sources = [q["source"] for q in query_rows]
     return {
         "summary": indexer.summary,
@@ -176,4 +232,5 @@ def run_quickstart(
         "tokenizer": tokenizer,
         "index": out_dir / "index",
         "results_path": out_dir / "results.jsonl",
+        "report_path": report,
     }

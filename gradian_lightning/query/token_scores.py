@@ -1,0 +1,132 @@
+"""Which tokens of a training row carry its score: each supervised token's share of the row's score.
+
+A row's gradient is the sum of its supervised tokens' loss gradients (the loss is their sum), and
+the projection and preconditioners are linear, so the projected row is the sum of the tokens'
+projected rows, and its score against a query splits into one term per token:
+
+    inner     score = q·W r            = Σ_s q·W r_s
+    cosine    score = Σ_m q̂_m·(W r)_m / (M |(W r)_m|)   (per module; whole-row cosine likewise)
+              and each token's term divides by the same norms, of the whole row, not its own.
+
+(W: the preconditioner, identity for none.) The terms therefore sum to the row's score, as computed
+from the unrounded row; the index stores the row rounded to grads.storage_dtype, so the ranked
+score differs from the sum by that rounding. Each token's row is the row of a copy of the example
+supervised at that token alone, through the same gradient path (gradients/batch.py): one
+forward/backward of as many copies as the row has supervised tokens.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION
+from gradian_lightning.data import IGNORE_INDEX, JsonlDataset, collate
+from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.capture import LinearCapture
+from gradian_lightning.gradients.peft import unwrap_peft
+from gradian_lightning.hub import pad_token_id
+from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.rows import index_projector, query_gradients
+from gradian_lightning.query.topk import index_blocks, prepare_queries
+
+
+def token_texts(tokenizer: Any, ids: List[int]) -> List[str]:
+    """Each token's piece of the decoded text, with the spaces before it, so that the pieces joined
+    read as the text (a token's own string lacks the space for some tokenizers, has a marker in others)."""
+    pieces, before = [], ""
+    for t in range(len(ids)):
+        upto = tokenizer.decode(ids[: t + 1])
+        pieces.append(upto[len(before) :] if upto.startswith(before) else tokenizer.decode(ids[t : t + 1]))
+        before = upto
+    return pieces
+
+
+def token_rows(index: IndexReader, model: nn.Module, tokenizer: Any, row: Dict[str, Any]) -> Dict[str, Any]:
+    """The projected gradient of each supervised token's loss of one data row, as the index's rows are made.
+
+    Returns {"tokens": the row's text token by token (str, with the spaces before each), "supervised": bool per token,
+    "rows": float32 [S, D], one per supervised token in order}. Their sum is the row's projected
+    gradient (unrounded). Mode, RNG and parameters' .grad are left as they were.
+    """
+    model = unwrap_peft(model)
+    modules, projector = index_projector(index, model)
+    max_len = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
+    example = JsonlDataset([row], tokenizer, max_len, source="token scores").examples[0]
+    targets = [t for t in range(1, len(example.labels)) if example.labels[t] != IGNORE_INDEX]
+    device = next(model.parameters()).device
+    tokens = token_texts(tokenizer, example.input_ids)
+    if not targets:
+        return {"tokens": tokens, "supervised": [False] * len(tokens), "rows": torch.zeros(0, projector.width)}
+    copies = []
+    for t in targets:  # the example supervised at token t alone
+        labels = [IGNORE_INDEX] * len(example.labels)
+        labels[t] = example.labels[t]
+        copies.append(type(example)(example.index, example.id, example.input_ids, labels, 0))
+    loader = DataLoader(copies, batch_size=16, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
+    capture = LinearCapture(modules)
+    training = {m: m.training for m in model.modules()}
+    out = []
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []), torch.enable_grad():
+            for batch in loader:
+                batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                out.append(projected_gradients(model, batch, capture, projector)[0].float().cpu())
+    finally:
+        for m, mode in training.items():
+            m.train(mode)
+    supervised = [t > 0 and example.labels[t] != IGNORE_INDEX for t in range(len(example.labels))]
+    return {"tokens": tokens, "supervised": supervised, "rows": torch.cat(out)}
+
+
+def query_token_scores(
+    index: IndexReader,
+    model: nn.Module,
+    tokenizer: Any,
+    query: Dict[str, Any],
+    rows: List[Dict[str, Any]],
+    score: str = "cosine",
+    normalize: str = "module",
+    precondition: str = DEFAULT_PRECONDITION,
+    damping: float = DEFAULT_DAMPING,
+    query_row: Optional[torch.Tensor] = None,
+) -> List[Dict[str, Any]]:
+    """Each supervised token's term of each training row's score against one query.
+
+    `rows`: the training rows to explain (data rows, as in data.train). `query_row` [D]: the
+    query's row if already made (`query_gradients`). Returns per training row {"tokens",
+    "supervised", "terms": [float per token, None where not supervised], "score": their sum (the
+    row's score from its unrounded gradient)}, in the order of `rows`.
+    """
+    if query_row is None:
+        query_row = query_gradients(index, model, tokenizer, [query])[0]
+    queries, transform = prepare_queries(index, query_row[None], score, normalize, "cpu", precondition, damping)
+    blocks = index_blocks(index)
+    explained = []
+    for row in rows:
+        parts = token_rows(index, model, tokenizer, row)
+        per_token = parts["rows"]
+        if transform is not None:
+            per_token = transform(per_token)
+        whole = per_token.sum(0)
+        if score == "cosine" and normalize == "module":
+            scale = torch.ones_like(whole)
+            for b in blocks:
+                lo, hi = int(b["offset"]), int(b["offset"]) + int(b["size"])
+                scale[lo:hi] = 1.0 / whole[lo:hi].norm().clamp_min(torch.finfo(torch.float32).tiny)
+            per_token = per_token * scale
+        elif score == "cosine":
+            per_token = per_token / whole.norm().clamp_min(torch.finfo(torch.float32).tiny)
+        values = (per_token.double() @ queries[0].double()).tolist()
+        terms, it = [], iter(values)
+        for supervised in parts["supervised"]:
+            terms.append(next(it) if supervised else None)
+        explained.append(
+            {"tokens": parts["tokens"], "supervised": parts["supervised"], "terms": terms, "score": float(sum(values))}
+        )
+    return explained

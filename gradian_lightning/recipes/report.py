@@ -1,0 +1,200 @@
+"""The `gradian report` recipe: the results of `gradian query` and the index -> one static HTML page.
+
+    cfg = load_config("my.yaml", ["query.output=runs/results.jsonl"])
+    path = run_report(cfg)            # runs/results.html
+
+For each query it shows the top rows and opponents of the results file with their percentile among
+every row's score and a histogram of those scores, each checkpoint's share when several were
+summed, the flags of each row, and, for the first `report.token_rows` rows, each supervised
+token's share of the score (query/token_scores.py). docs/report.md explains every number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from gradian_lightning.config import require
+from gradian_lightning.data import read_jsonl, row_snippet
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.checkpoints import checkpoint_weights
+from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.precondition import resolve
+from gradian_lightning.query.topk import Index
+from gradian_lightning.recipes.query import check_writable, score_matrix
+from gradian_lightning.report.html import render
+
+Explain = Callable[[int, List[Dict[str, Any]], List[int]], List[Dict[str, Any]]]
+
+
+def _shown(
+    entries: Sequence[Dict[str, Any]],
+    index: IndexReader,
+    train_rows: Sequence[Dict[str, Any]],
+    scores: np.ndarray,
+    by_checkpoint: Dict[int, np.ndarray],
+    explained: Dict[int, Dict[str, Any]],
+) -> List[Dict[str, Any]]:
+    ranked = scores[np.isfinite(scores)]
+    truncated, finite = index.column("truncated_tokens"), index.column("finite")
+    out = []
+    for e in entries:
+        i = int(e["index"])
+        flags = (["truncated"] if truncated[i] > 0 else []) + ([] if finite[i] else ["not finite"])
+        row = {
+            "rank": e["rank"],
+            "id": e["id"],
+            "index": i,
+            "score": float(e["score"]),
+            "percentile": 100.0 * float((ranked < e["score"]).mean()) if len(ranked) else 0.0,
+            "flags": flags,
+            "checkpoints": {str(step): float(s[i]) for step, s in by_checkpoint.items()},
+            "text": row_snippet(train_rows[i], 400),
+        }
+        if i in explained:
+            row.update(tokens=explained[i]["tokens"], terms=explained[i]["terms"])
+        out.append(row)
+    return out
+
+
+def report_data(
+    index: IndexReader,
+    queries: Sequence[Dict[str, Any]],
+    train_rows: Sequence[Dict[str, Any]],
+    results: Sequence[Dict[str, Any]],
+    scores: np.ndarray,
+    by_checkpoint: Dict[int, np.ndarray],
+    explain: Optional[Explain],
+    token_rows: int,
+    scoring: str,
+    token_note: str,
+) -> Dict[str, Any]:
+    """The page's numbers as plain data. `scores` [Q, N]: every row's score per query (NaN where a
+    row is never ranked); `by_checkpoint`: each summed checkpoint's weighted share [Q, N] (empty for
+    one); `explain(q, rows, positions)`: token terms of those rows for query q."""
+    pages = []
+    for q, (query, entry) in enumerate(zip(queries, results)):
+        top, bottom = list(entry.get("results", [])), list(entry.get("opponents", []))
+        wanted = [int(e["index"]) for e in top[:token_rows] + bottom[:token_rows]]
+        explained = {}
+        if explain is not None and wanted:
+            explained = dict(zip(wanted, explain(q, [train_rows[i] for i in wanted], wanted)))
+        pages.append(
+            {
+                "id": entry["query_id"],
+                "text": row_snippet(query, 2000),
+                "all_scores": [float(s) for s in scores[q] if np.isfinite(s)],
+                "top": _shown(
+                    top, index, train_rows, scores[q], {k: v[q] for k, v in by_checkpoint.items()}, explained
+                ),
+                "bottom": _shown(
+                    bottom, index, train_rows, scores[q], {k: v[q] for k, v in by_checkpoint.items()}, explained
+                ),
+            }
+        )
+    return {
+        "index": str(index.path),
+        "rows": len(index),
+        "scoring": scoring,
+        "token_note": token_note,
+        "checkpoint_steps": sorted(by_checkpoint),
+        "queries": pages,
+    }
+
+
+def write_report(path: str | Path, data: Dict[str, Any]) -> Path:
+    """Render `report_data` output to `path` (one self-contained HTML file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(data), encoding="utf-8")
+    return path
+
+
+def scoring_text(
+    index: IndexReader, score: str, normalize: str, precondition: str, damping: float, checkpoints: int
+) -> str:
+    """How the scores were made, in words, for the page's header."""
+    kind = {
+        "cosine": "per-module cosine (mean over modules)" if normalize == "module" else "whole-row cosine",
+        "inner": "inner product",
+    }[score]
+    used = resolve(index, precondition)
+    text = f"{kind}, preconditioner {used}" + ("" if used == "none" else f" (damping {damping})")
+    return text + (f", summed over {checkpoints} checkpoints weighted by learning rate" if checkpoints > 1 else "")
+
+
+def run_report(cfg: Any) -> Path:
+    """Write the report of the `gradian query` results at `query.output`; returns the page's path."""
+    require(cfg, "model.name_or_path", "query.data", "query.output")
+    results_path = Path(cfg.query.output)
+    if not results_path.is_file():
+        raise ConfigError(
+            f"setting 'query.output'={str(results_path)!r} holds no query results; run gradian query with the same settings first, then gradian report"
+        )
+    out = Path(cfg.report.output) if cfg.report.output else results_path.with_suffix(".html")
+    check_writable(out, "report.output")
+    results = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
+    queries = read_jsonl(cfg.query.data)
+    if [str(q.get("id", i)) for i, q in enumerate(queries)] != [r["query_id"] for r in results]:
+        raise ConfigError(
+            f"setting 'query.output'={str(results_path)!r} holds results of other queries than query.data={str(cfg.query.data)!r}; rerun gradian query, or point query.data at the queries it answered"
+        )
+    index = Index(cfg.index.path)
+    data = index.meta.get("data") or {}
+    train_rows = read_jsonl(data.get("path") or cfg.data.train)
+    which = (
+        OmegaConf.to_object(cfg.query.checkpoints)
+        if OmegaConf.is_config(cfg.query.checkpoints)
+        else cfg.query.checkpoints
+    )
+    chosen = checkpoint_weights(index.checkpoints, which)
+    scores = score_matrix(cfg, len(queries), len(index), fill=np.nan)
+    by_checkpoint = {}
+    if len(chosen) > 1:  # each checkpoint scored alone, weighted as in the sum
+        for entry, weight in chosen:
+            alone = OmegaConf.merge(cfg, {"query": {"checkpoints": [int(entry["step"])]}})
+            by_checkpoint[int(entry["step"])] = weight * score_matrix(alone, len(queries), len(index), fill=np.nan)
+    q = cfg.query
+    cache: Dict[int, List[Dict[str, Any]]] = {}
+
+    def explain(qi: int, rows: List[Dict[str, Any]], positions: List[int]) -> List[Dict[str, Any]]:
+        # gradian query with token_scores computes the terms of its result rows, summed over checkpoints.
+        if not cache:
+            with_terms = OmegaConf.merge(
+                cfg,
+                {
+                    "query": {
+                        "token_scores": True,
+                        "output": None,
+                        "top_k": max(1, cfg.report.token_rows),
+                        "bottom_k": min(q.bottom_k, cfg.report.token_rows),
+                    }
+                },
+            )
+            from gradian_lightning.recipes.query import run_query
+
+            for i, entry in enumerate(run_query(with_terms)["results"]):
+                cache[i] = {int(r["index"]): r for key in ("results", "opponents") for r in entry.get(key, [])}
+        return [cache[qi].get(p, {"tokens": [], "terms": []}) for p in positions]
+
+    steps = len(chosen)
+    note = "Token terms sum to the row's score from its unrounded gradient (the ranked score uses the rows as stored, rounded to grads.storage_dtype)."
+    if steps > 1:
+        note += f" They are summed over the {steps} checkpoints, as the score is."
+    data_ = report_data(
+        index,
+        queries,
+        train_rows,
+        results,
+        scores,
+        by_checkpoint,
+        explain if cfg.report.token_rows else None,
+        cfg.report.token_rows,
+        scoring_text(index, q.score, q.normalize, q.precondition, q.damping, steps),
+        note,
+    )
+    return write_report(out, data_)

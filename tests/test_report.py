@@ -1,0 +1,84 @@
+"""`gradian report`: the page's numbers against the query's own results, and the page in a real browser."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+from conftest import ROWS, write_jsonl
+
+from gradian_lightning.cli import main
+
+
+@pytest.fixture
+def reported(tmp_path, saved_model, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    queries = write_jsonl(tmp_path / "queries.jsonl", [{**r, "id": f"q{i}"} for i, r in enumerate(ROWS[:2])])
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"data.train={data}",
+        f"query.data={queries}",
+        f"index.path={tmp_path / 'ix'}",
+        f"query.output={tmp_path / 'results.jsonl'}",
+        "query.top_k=3",
+        "query.bottom_k=2",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    assert main(["index", *common]) == 0
+    assert main(["query", *common, "query.token_scores=true"]) == 0
+    capsys.readouterr()
+    assert main(["report", *common, "report.token_rows=2"]) == 0
+    assert capsys.readouterr().out.strip() == f"gradian report: written to {tmp_path / 'results.html'}"
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    return tmp_path / "results.html", results
+
+
+def test_token_terms_in_the_results_sum_to_each_score(reported):
+    _, results = reported
+    for entry in results:
+        for r in entry["results"] + entry["opponents"]:
+            terms = [t for t in r["terms"] if t is not None]
+            assert terms and sum(terms) == pytest.approx(
+                r["score"], rel=1e-2, abs=1e-4
+            )  # storage float16 rounds the ranked score
+
+
+def test_the_page_is_self_contained_and_shows_every_result(reported):
+    page, results = reported
+    text = page.read_text()
+    assert not re.search(r"<script|https?://|<link", text)  # no script, no network, no CDN
+    for entry in results:
+        assert f'id="q-{entry["query_id"]}"' in text
+        for r in entry["results"] + entry["opponents"]:
+            assert f"{r['score']:+.4f}" in text
+
+
+def test_the_report_renders_in_a_real_browser(reported, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no headless Chromium here (Debian: apt-get install chromium); CI installs it")
+    page, results = reported
+    done = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    dom = done.stdout
+    assert done.returncode == 0 and "</html>" in dom, done.stderr[-2000:]
+    # What the browser built: one section per query, a row per result, shaded tokens for the first two.
+    assert dom.count('class="query-section"') == len(results)
+    assert dom.count('class="result"') == sum(len(e["results"]) + len(e["opponents"]) for e in results)
+    shaded = re.findall(r'class="tok" data-term="([-0-9.e+]+)"', dom)
+    assert len(shaded) >= 2 * len(results)
+    assert "<svg" in dom and 'class="histogram"' in dom
