@@ -12,6 +12,7 @@ The protocol and its caveats: docs/validate.md.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -122,6 +123,10 @@ def run_validate(
                     f"training run {r} of subset {m} gave non-finite query losses; lower validate.learning_rate (now {v.learning_rate})"
                 )
             runs.save(m, r, seed, losses, time.perf_counter() - started)
+            # Lightning's trainer and module refer to each other: without a collection each run's
+            # model and optimizer state would stay until the cycle collector happened to run.
+            del module, model
+            gc.collect()
             bar.update(1)
     losses = runs.losses()  # [repeats, M, Q]
     outputs = -losses.mean(axis=0)  # [M, Q]: the measured output, averaged over repeats
