@@ -21,6 +21,8 @@ from gradian_lightning.gradients.capture import unwrapped_name
 from gradian_lightning.index.callback import check_strategy
 from gradian_lightning.recipes.index import CausalLMModule
 
+pytestmark = pytest.mark.slow  # two CPU ranks in child processes
+
 TESTS = Path(__file__).resolve().parent
 MODULES = ["down_proj", "q_proj", "lm_head"]
 SCRIPT = """
@@ -34,8 +36,6 @@ from conftest import ROWS, make_model, make_tokenizer
 from gradian_lightning import GradientIndexer
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.recipes.index import CausalLMModule
-
-pytestmark = pytest.mark.slow  # two CPU ranks in child processes
 
 
 class Sharded(CausalLMModule):
