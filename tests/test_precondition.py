@@ -139,7 +139,7 @@ def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(
     assert QueryConfig().precondition == "auto"
     train, queries = random_rows(N, 0), random_rows(5, 1)
     kept = make_index(tmp_path / "kept", train)
-    assert resolve(kept, "auto") == "fisher" and resolve(kept, "diag") == "diag"
+    assert N >= 4 * S and resolve(kept, "auto") == "fisher" and resolve(kept, "diag") == "diag"
     np.testing.assert_array_equal(
         all_scores(kept, queries, precondition="auto", damping=1.0),
         all_scores(kept, queries, precondition="fisher", damping=1.0),
@@ -153,6 +153,21 @@ def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(
     )
     with pytest.raises(ConfigError, match="query.precondition=diag"):
         all_scores(wide, queries, precondition="fisher")
+
+
+def test_auto_leaves_fisher_to_indexes_with_many_more_rows_than_its_dimensions(tmp_path):
+    """Below FISHER_ROWS_PER_DIMENSION × k² counted rows F is mostly damping: auto scores as AUTO_FEW_ROWS does."""
+    from gradian_lightning.query.precondition import AUTO_FEW_ROWS, FISHER_ROWS_PER_DIMENSION, resolve
+
+    few = 4 * S - 1
+    assert FISHER_ROWS_PER_DIMENSION == 4 and few < N
+    index = make_index(tmp_path / "few", random_rows(few, 0))
+    queries = random_rows(5, 1)
+    assert resolve(index, "auto") == AUTO_FEW_ROWS != "fisher"
+    np.testing.assert_array_equal(
+        all_scores(index, queries, precondition="auto", damping=1.0),
+        all_scores(index, queries, precondition=AUTO_FEW_ROWS, damping=1.0),
+    )
 
 
 @pytest.mark.parametrize("score,normalize", [("cosine", "module"), ("cosine", "row"), ("inner", "module")])

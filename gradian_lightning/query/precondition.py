@@ -69,12 +69,32 @@ def _damping(damping: float) -> float:
     return damping
 
 
+# Counted rows per dimension of a module's k²×k² second moment before `auto` trusts fisher with it.
+# With fewer, most of F's directions are set by the damping, and fisher scored below none on the LDS
+# sets (0.22 against 0.30 LDS, 80 rows at k² = 256: benchmarks/RANKING.md, issue 21).
+FISHER_ROWS_PER_DIMENSION = 4
+AUTO_FEW_ROWS = "none"
+
+
+def counted_rows(index: IndexReader) -> Optional[int]:
+    """How many rows the index's statistics counted (None for an index written before they existed)."""
+    if GROUP not in index.group.group_keys():
+        return None
+    return int(index.group[GROUP].attrs["rows"])
+
+
 def resolve(index: IndexReader, precondition: str) -> str:
-    """The preconditioner `precondition` means for `index`: itself, or for "auto" fisher when the
-    index keeps the k²×k² second moments (grads.projection_dim <= 32) and diag otherwise."""
+    """The preconditioner `precondition` means for `index`: itself, or for "auto" fisher where the
+    index keeps the k²×k² second moments (grads.projection_dim <= 32) from at least
+    FISHER_ROWS_PER_DIMENSION × k² counted rows, AUTO_FEW_ROWS where it has fewer rows, and diag
+    where it keeps no second moments (k > 32: diag measured best there, issue 10)."""
     if precondition != "auto":
         return precondition
-    return "fisher" if gram_block_size(layout_blocks(index.meta), int(index.meta["width"])) is not None else "diag"
+    size = gram_block_size(layout_blocks(index.meta), int(index.meta["width"]))
+    if size is None:
+        return "diag"
+    rows = counted_rows(index)
+    return "fisher" if rows is not None and rows >= FISHER_ROWS_PER_DIMENSION * size else AUTO_FEW_ROWS
 
 
 def preconditioner(index: IndexReader, precondition: str, damping: float) -> Optional[Preconditioner]:
