@@ -4,8 +4,9 @@ training rows alike before they are scored.
     none    rows as stored
     diag    each coordinate j divided by sqrt(m_j + λ), m_j its mean square over the training rows
     fisher  each module block R_m multiplied by (F_m + λI)^-½, F_m = mean of R_mᵀR_m (k²×k²)
-    auto    fisher where the index keeps F (equal blocks of k² <= 1024), else diag: the best of
-            each in issue 10's grid (benchmarks/RANKING.md); `resolve` names the one it picks
+    auto    fisher where the index keeps F (equal blocks of k² <= 1024) from at least 4 k² counted
+            rows, else diag (issue 21's LDS sets and issue 10's grid, benchmarks/RANKING.md);
+            `resolve` names the one it picks
 
 λ = `damping` × the mean eigenvalue of that module's second moment (for diag: the mean of its
 m_j). Whitening both sides makes the inner product qᵀ(F + λI)⁻¹r, and per-module cosine then
@@ -70,10 +71,11 @@ def _damping(damping: float) -> float:
 
 
 # Counted rows per dimension of a module's k²×k² second moment before `auto` trusts fisher with it.
-# With fewer, most of F's directions are set by the damping, and fisher scored below none on the LDS
-# sets (0.22 against 0.30 LDS, 80 rows at k² = 256: benchmarks/RANKING.md, issue 21).
+# With fewer, most of F's directions are set by the damping, and fisher had the worst LDS of the
+# preconditioners on the LDS sets (worst cell 0.22 against diag's 0.27, 80 rows at k² = 256:
+# benchmarks/RANKING.md, issue 21); diag had the best mean there.
 FISHER_ROWS_PER_DIMENSION = 4
-AUTO_FEW_ROWS = "none"
+AUTO_FEW_ROWS = "diag"
 
 
 def counted_rows(index: IndexReader) -> Optional[int]:
