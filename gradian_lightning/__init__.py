@@ -5,13 +5,16 @@ stack (tests/test_layout.py fails on any import circle and names it):
 
     cli.py                     the `gradian` command: parses arguments, calls one recipe
     recipes/                   plain functions, config -> result
-      index.py  query.py  plan.py  doctor.py  quickstart/
+      index.py  query.py  plan.py  doctor.py  validate.py  report.py  quickstart/
+    report/html.py             the static HTML page of a query run (gradian report)
+    validation/                LDS: random subsets and their losses on disk, one retraining run, the score
     index/callback.py          GradientIndexer: the Lightning glue (life-cycle, ranks, progress)
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
       topk.py                  streaming_topk, Ranking, open_index -> Index (IndexReader + topk)
       dask_engine.py           dask_topk: the same scoring as Dask reductions on a cluster (query.engine=dask)
       precondition.py          none / diag / fisher from the index's row statistics
+      token_scores.py          each supervised token's term of a row's score
     index/                     the zarr store: knows nothing of scoring or Lightning
       layout.py                the one description of the on-disk layout, encoding, chunking
       location.py              index.path -> zarr store: a local directory or an fsspec URL (s3://, gs://, ...)
@@ -26,9 +29,11 @@ stack (tests/test_layout.py fails on any import circle and names it):
       projection.py            KroneckerProjector
       recompute.py             MLP blocks (default) or decoder layers re-run in the indexing backward instead of keeping their activations
       batch.py                 projected_gradients: one batch -> rows
+      weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, config.py (omegaconf), data.py (JSONL -> batches),
-                               hub.py (from_pretrained, pad token, file hash), versions.py
+                               hub.py (from_pretrained, pad token, file hash), versions.py,
+                               extras.py (optional packages: import, or one line naming the extra)
 
 One batch, indexing:
     JSONL rows --data.JsonlDataset--> examples (input_ids, labels: prompt = -100)
