@@ -141,6 +141,12 @@ def main() -> None:
     parser.add_argument("--kind", default="fact")
     parser.add_argument("--runs", default="/tmp/gradian-lds")
     parser.add_argument("--method", choices=("gradian", "exact", "ekfac"))
+    parser.add_argument(
+        "--methods",
+        nargs="*",
+        default=["gradian", "exact", "ekfac"],
+        help="re-measure these; the others are kept from the saved table",
+    )
     args = parser.parse_args()
     runs = Path(args.runs)
     if args.method:
@@ -152,8 +158,9 @@ def main() -> None:
     out = runs / f"{args.kind}-runs"
     subsets = np.asarray(json.loads((out / "plan.json").read_text())["subsets"], dtype=bool)
     outputs = -np.asarray([json.loads(p.read_text())["query_loss"] for p in sorted((out / "subsets").glob("*.json"))])
-    table = {}
-    for method in ("gradian", "exact", "ekfac"):
+    saved = RESULTS / f"peer_kronfluence.{args.kind}.json"
+    table = json.loads(saved.read_text()) if saved.is_file() else {}
+    for method in args.methods:
         done = subprocess.run(
             [sys.executable, __file__, "--method", method, "--kind", args.kind, "--runs", str(runs)],
             capture_output=True,

@@ -1,13 +1,34 @@
 """Issue 19's new-user trial, one test per case: nothing on disk is lost, and each bad input is one line.
 
-| case                                               | test                                              |
-|----------------------------------------------------|---------------------------------------------------|
-| index.path=. index.overwrite=true                  | test_overwrite_refuses_the_working_folder         |
-| overwrite on a folder that is not an index         | test_overwrite_refuses_a_folder_that_is_not_an_index |
-| overwrite on an index holding the user's files     | test_overwrite_refuses_an_index_folder_with_other_files |
-| a metadata read that fails                         | test_a_failed_metadata_read_is_reported_not_taken_for_absent |
-| an empty folder at index.path                      | test_an_empty_folder_is_a_place_for_a_new_index   |
-| overwrite of a real index                          | test_overwrite_replaces_an_index_of_another_configuration |
+| case (issue 19)                                         | test                                                      |
+|---------------------------------------------------------|-----------------------------------------------------------|
+| (1) index.path=. index.overwrite=true                   | test_overwrite_refuses_the_working_folder                 |
+| (1) overwrite of a folder that is not an index          | test_overwrite_refuses_a_folder_that_is_not_an_index      |
+| (1) overwrite of an index holding the user's files      | test_overwrite_refuses_an_index_folder_with_other_files   |
+| (1) a metadata read that fails                          | test_a_failed_metadata_read_is_reported_not_taken_for_absent |
+| (1) overwrite of a real index still works               | test_overwrite_replaces_an_index_of_another_configuration |
+| (2) doctor without the cluster extra                    | tests/test_doctor.py, .ci/bare-install                    |
+| (3) the fine-tuned weights, another path, the base      | test_a_query_is_matched_to_the_index_by_its_weights_not_its_path |
+| (3) weights of another checkpoint                       | test_a_query_with_an_earlier_checkpoints_weights_is_told_which_checkpoint |
+| (3) ./x vs x, another working folder                    | test_a_relative_data_path_resumes_from_another_folder     |
+| (4) querying an unfinished index                        | test_an_unfinished_index_warns_and_says_how_many_rows_were_ranked |
+| (5) disk full                                           | test_a_full_disk_is_one_line_and_a_rerun_resumes          |
+| (5) two writers on one path                             | test_a_second_writer_is_refused_before_any_work           |
+| (5) unwritable query.output                             | test_an_unwritable_output_fails_before_any_query_is_computed |
+| (5) YAML top level a list, invalid YAML names its line  | test_a_bad_yaml_is_one_line_naming_where                  |
+| (5) an unclosed list in an override                     | test_an_unclosed_list_in_an_override_is_one_line          |
+| (5) trainer.precision=bf17 and other refused values     | test_a_trainer_value_lightning_refuses_names_the_key      |
+| (5) PEFT example and benchmark plots without packages   | test_scripts_without_their_extra_refuse_in_one_line       |
+| (5) Ctrl-C                                              | test_ctrl_c_says_a_rerun_resumes                          |
+| (6) empty completion                                    | test_an_empty_completion_has_no_supervised_token          |
+| (6) duplicate ids                                       | test_duplicate_ids_are_refused_and_integer_ids_kept       |
+| (6) non-string ids, "prompt": null                      | test_rows_with_non_text_where_text_belongs_are_refused    |
+| (6) an empty folder at index.path                       | test_an_empty_folder_is_a_place_for_a_new_index           |
+| (6) "resumed" on a complete index; gradian_rows in index | test_gradian_index_shows_rows_on_its_progress_bar_and_a_rerun_says_already_complete |
+| (6) s3/gs errors before the model loads                 | test_a_url_without_its_filesystem_fails_before_the_model_loads |
+| (6) gradian query without a YAML                        | test_every_setting_may_be_an_override_without_a_yaml      |
+| (6) the damping error's default                         | test_the_damping_error_names_the_real_default             |
+| (6) validation dataloader, configs/ not in the wheel     | documented in README.md                                   |
 """
 
 import numpy as np
@@ -452,3 +473,12 @@ def test_a_relative_data_path_resumes_from_another_folder(tmp_path, saved_model,
     capsys.readouterr()
     assert main(["index", f"data.train={work / 'train.jsonl'}", *common]) == 0  # the same job: nothing to redo
     assert "already complete" in capsys.readouterr().out
+
+
+def test_the_damping_error_names_the_real_default():
+    from gradian_lightning.config import DEFAULT_DAMPING
+    from gradian_lightning.query.precondition import _damping
+
+    with pytest.raises(ConfigError, match=rf"; {DEFAULT_DAMPING} is the default\)$"):
+        _damping(-1.0)
+    assert DEFAULT_DAMPING == 1.0
