@@ -116,9 +116,9 @@ def ekfac_scores(kind: str) -> np.ndarray:
             per_device_train_batch_size=8,
             overwrite_output_dir=True,
         )
-        # Kronfluence's influence is the effect of up-weighting a training row on the query's loss;
-        # gradian scores similarity to helping rows, so the sign that predicts -loss is the negative.
-        return -analyzer.load_pairwise_scores("scores")["all_modules"].double().numpy()
+        # Kronfluence's pairwise score is the query gradient times the preconditioned training
+        # gradient: positive where up-weighting the row lowers the query's loss, as gradian's.
+        return analyzer.load_pairwise_scores("scores")["all_modules"].double().numpy()
 
 
 def one_method(method: str, kind: str, runs: Path) -> None:
