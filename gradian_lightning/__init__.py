@@ -61,6 +61,7 @@ from gradian_lightning.index.callback import GradientIndexer
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import query_gradients
+from gradian_lightning.query.token_scores import query_token_scores
 from gradian_lightning.query.topk import Index, Ranking, open_index, streaming_topk
 from gradian_lightning.recipes.validate import validate
 
@@ -78,6 +79,7 @@ __all__ = [
     "load_config",
     "open_index",
     "query_gradients",
+    "query_token_scores",
     "read_jsonl",
     "select_modules",
     "streaming_topk",
