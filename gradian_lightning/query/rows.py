@@ -70,18 +70,7 @@ def index_mismatches(
         for key, what in (("class", "model class"), ("vocab_size", "vocabulary size"), ("dtype", "model dtype"))
         if ours[key] is not None and theirs.get(key) is not None and ours[key] != theirs[key]
     ]
-    found += kind
-    indexed = theirs.get("weights_sha256")
-    if kind:
-        pass  # other weights follow from another class, vocabulary or dtype; the digest would only repeat it
-    elif indexed is None:  # an index from before weights were recorded, or of a sharded model: the name decides
-        name = normalized_name(theirs.get("name_or_path"))
-        if ours["name_or_path"] is not None and name is not None and ours["name_or_path"] != name:
-            found.append(f"model is {ours['name_or_path']!r} here but {name!r} in the index")
-    else:
-        here = weights_digest(model)
-        if here is not None and here != indexed:
-            found.append(_other_weights(here, indexed, theirs.get("name_or_path"), meta))
+    found += kind or _weights_mismatch(model, ours, theirs, meta)  # other weights follow from another kind
     linears = dict(model.named_modules())
     modules_found = True
     for block in meta.get("modules", []):
@@ -110,6 +99,27 @@ def index_mismatches(
                 f"grads.module_filter={settings['module_filter']!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index"
             )
     return found
+
+
+def _weights_mismatch(
+    model: nn.Module, ours: Dict[str, Any], theirs: Dict[str, Any], meta: Dict[str, Any]
+) -> List[str]:
+    """[] when `model` holds the weights the index was built with, else the phrase saying what differs.
+
+    By the weights' digest where the index recorded one; for an index from before digests were
+    recorded, or of a sharded model, by the resolved model path."""
+    indexed = theirs.get("weights_sha256")
+    if indexed is None:
+        name = normalized_name(theirs.get("name_or_path"))
+        if ours["name_or_path"] is not None and name is not None and ours["name_or_path"] != name:
+            return [f"model is {ours['name_or_path']!r} here but {name!r} in the index"]
+        return []
+    here = weights_digest(model)
+    return (
+        [_other_weights(here, indexed, theirs.get("name_or_path"), meta)]
+        if here is not None and here != indexed
+        else []
+    )
 
 
 def _other_weights(here: str, indexed: str, name: Optional[str], meta: Dict[str, Any]) -> str:
