@@ -156,6 +156,28 @@ def test_a_second_writer_is_refused_before_any_work(tmp_path):
     fill(writer(tmp_path / "ix"))  # the lock went with its process
 
 
+def test_the_lock_file_is_not_taken_for_part_of_the_index(tmp_path):
+    import warnings
+
+    from gradian_lightning.index.location import LOCK_FILE
+    from gradian_lightning.index.reader import IndexReader
+    from gradian_lightning.query.precondition import counted_rows, preconditioner
+
+    # zarr warns on every entry of the folder that is not a node when a group is listed; every
+    # index, resume and query printed two lines of it about the lock file.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fill(writer(tmp_path / "ix"))
+        resumed = writer(tmp_path / "ix")
+        assert resumed.kept_rows == 4 and resumed.store_norms
+        resumed.close()
+        index = IndexReader(tmp_path / "ix")
+        assert counted_rows(index) == 4
+        assert preconditioner(index, "diag", 1.0) is not None
+    assert (tmp_path / "ix" / LOCK_FILE).is_file()
+    assert [str(w.message) for w in caught if LOCK_FILE in str(w.message)] == []
+
+
 def test_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path, monkeypatch):
     import errno
 

@@ -56,6 +56,15 @@ ROW_ARRAYS = {
 }
 
 
+def has_member(group: zarr.Group, name: str, kind: type) -> bool:
+    """Whether `group` holds a `kind` (zarr.Array or zarr.Group) named `name`.
+
+    Looked up by name, not by listing the group: a listing walks every entry of the index folder,
+    and zarr warns on each one that is not a node (the writer's lock file, LOCK_FILE).
+    """
+    return isinstance(group.get(name), kind)
+
+
 def encode(rows: torch.Tensor, storage_dtype: str) -> np.ndarray:
     """float32 rows [b, D] -> numpy array in the storage encoding."""
     rows = rows.detach().cpu()

@@ -10,10 +10,11 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import zarr
 
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.checkpoints import checkpoint_entries
-from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, read_meta
+from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, has_member, read_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
     GROUP,
@@ -57,9 +58,11 @@ class IndexReader:
         self.grads = self.group["grads"]
         self.storage_dtype = self.meta["storage_dtype"]
         self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`
-        self._norms_array = self.group[NORMS] if NORMS in self.group.array_keys() else None  # absent in older indexes
+        self._norms_array = (
+            self.group[NORMS] if has_member(self.group, NORMS, zarr.Array) else None
+        )  # absent in older indexes
         self._blocks: Dict[str, Tuple[int, torch.Tensor]] = {}  # name -> (first row, cached rows) for `_per_row`
-        stats = self.group[GROUP] if GROUP in self.group.group_keys() else None
+        stats = self.group[GROUP] if has_member(self.group, GROUP, zarr.Group) else None
         # The damping the stored whitened norms are for; None when there are none (or a close was killed before it said so).
         self.whitened_damping: Optional[float] = stats.attrs.get(WHITENED_DAMPING) if stats is not None else None
         self._whitened_array = stats[WHITENED_NORMS] if self.whitened_damping is not None else None

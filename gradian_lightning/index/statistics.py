@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.index.layout import equal_block_size
+from gradian_lightning.index.layout import equal_block_size, has_member
 
 # gram is s² float64 per module: 8 MiB per module at k = 32 (s = 1024). Beyond that (k = 64:
 # 128 MiB per module) only the per-coordinate sums are kept, and `fisher` is not available.
@@ -186,7 +186,7 @@ class RowStatistics:
     def load(cls, group: zarr.Group, gram: bool = True) -> Optional["RowStatistics"]:
         """The statistics stored in an index group (without `gram` when false: it is M·k⁴ float64),
         or None when it has none (written before they existed)."""
-        if GROUP not in group.group_keys():
+        if not has_member(group, GROUP, zarr.Group):
             return None
         stats = group[GROUP]
         gram = stats["gram"][:] if gram and "gram" in stats.array_keys() else None

@@ -25,6 +25,7 @@ from gradian_lightning.index.layout import (
     chunk_rows,
     decode,
     encode,
+    has_member,
     module_norms,
     stored_meta,
 )
@@ -112,7 +113,7 @@ class IndexWriter:
         self.blocks = layout_blocks(self.meta)
         # An index begun by a gradian that stored no norms is resumed without them: its readers
         # compute every row's norms, so a partial array would only be a second truth.
-        self.store_norms = NORMS in self.group.array_keys()
+        self.store_norms = has_member(self.group, NORMS, zarr.Array)
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self.kept_rows = int(self.done.sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}

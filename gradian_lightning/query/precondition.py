@@ -22,9 +22,11 @@ import warnings
 from typing import Optional
 
 import torch
+import zarr
 
 from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.layout import has_member
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.index.statistics import (
     GRAM_MAX_SIZE,
@@ -80,7 +82,7 @@ AUTO_FEW_ROWS = "diag"
 
 def counted_rows(index: IndexReader) -> Optional[int]:
     """How many rows the index's statistics counted (None for an index written before they existed)."""
-    if GROUP not in index.group.group_keys():
+    if not has_member(index.group, GROUP, zarr.Group):
         return None
     return int(index.group[GROUP].attrs["rows"])
 
@@ -105,7 +107,7 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
     if precondition == "none":
         return None
     damping = _damping(damping)
-    group = index.group[GROUP] if GROUP in index.group.group_keys() else None
+    group = index.group[GROUP] if has_member(index.group, GROUP, zarr.Group) else None
     cached = group is not None and "eigvecs" in group.array_keys()  # the writer's eigendecomposition of F
     stats = index.statistics(gram=not cached)  # with it cached, the gram itself is never read
     blocks = layout_blocks(index.meta)
