@@ -85,8 +85,8 @@ def child(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
+    from gradian_lightning.callback import GradientIndexer
     from gradian_lightning.data import collate
-    from gradian_lightning.index.callback import GradientIndexer
     from gradian_lightning.recipes.index import CausalLMModule
 
     torch.set_num_threads(args.threads)

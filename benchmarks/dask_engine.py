@@ -51,6 +51,7 @@ def main() -> None:
     from gradian_lightning.index.writer import IndexWriter
     from gradian_lightning.query.dask_engine import dask_topk
     from gradian_lightning.query.topk import streaming_topk
+    from gradian_lightning.specs import QuerySpec
 
     torch.set_num_threads(args.threads)
     modules = [{"name": f"m{i}", "offset": i * args.width // 16, "size": args.width // 16} for i in range(16)]
@@ -81,8 +82,9 @@ def main() -> None:
         client = Client(cluster)
         cluster_start = time.perf_counter() - start
         try:
-            local = lambda: streaming_topk(index, queries, 10, "cosine", bottom_k=10, precondition="none")  # noqa: E731  (as measured in RESULTS.md)
-            dask = lambda: dask_topk(index, queries, 10, "cosine", bottom_k=10, client=client, precondition="none")  # noqa: E731
+            spec = QuerySpec(top_k=10, bottom_k=10, score="cosine", precondition="none")  # as measured in RESULTS.md
+            local = lambda: streaming_topk(index, queries, spec)  # noqa: E731
+            dask = lambda: dask_topk(index, queries, spec, client=client)  # noqa: E731
             local()  # warm the page cache
             start = time.perf_counter()
             first = dask()  # the workers import torch and gradian and open the store

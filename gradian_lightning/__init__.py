@@ -8,14 +8,15 @@ stack (tests/test_layout.py fails on any import circle and names it):
       index.py  query.py  plan.py  doctor.py  validate.py  report.py  quickstart/
     report/html.py             the static HTML page of a query run (gradian report)
     validation/                LDS: random subsets and their losses on disk, one retraining run, the score
-    index/callback.py          GradientIndexer: the Lightning glue (life-cycle, ranks, progress)
+    callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
       topk.py                  streaming_topk, Ranking, open_index -> Index (IndexReader + topk)
       dask_engine.py           dask_topk: the same scoring as Dask reductions on a cluster (query.engine=dask)
       precondition.py          none / diag / fisher from the index's row statistics
       token_scores.py          each supervised token's term of a row's score
-    index/                     the zarr store: knows nothing of scoring or Lightning
+    index/                     writing and reading the zarr store: knows nothing of scoring or Lightning
+      session.py               IndexSession: bind a model, begin -> add batches -> finish (or abort): one index
       layout.py                the one description of the on-disk layout, encoding, chunking
       location.py              index.path -> zarr store: a local directory or an fsspec URL (s3://, gs://, ...)
       writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
@@ -31,18 +32,19 @@ stack (tests/test_layout.py fails on any import circle and names it):
       batch.py                 projected_gradients: one batch -> rows
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
-    bottom                     errors.py, config.py (omegaconf), data.py (JSONL -> batches),
+    bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,
+                               checked once), config.py (omegaconf), data.py (JSONL -> batches),
                                hub.py (from_pretrained, pad token, file hash), versions.py,
                                extras.py (optional packages: import, or one line naming the extra)
 
 One batch, indexing:
     JSONL rows --data.JsonlDataset--> examples (input_ids, labels: prompt = -100)
       --data.collate--> padded batch + "index" (dataset positions)
-      --Lightning validation loop--> GradientIndexer.on_validation_batch_end   (index/callback.py)
-      --gradients.batch.projected_gradients:
+      --Lightning validation loop--> GradientIndexer.on_validation_batch_end   (callback.py)
+      --index.session.IndexSession.compute--> gradients.batch.projected_gradients:
             LinearCapture hooks on   ->  supervised_token_loss [B] fp32  ->  autograd.grad to the
             module outputs (no parameter .grad)  ->  KroneckerProjector  ->  rows [B, D] float32
-      --index.writer.IndexWriter--> zarr `grads` rows and their per-module `norms` at their dataset positions, flags last
+      --IndexSession.write--> index.writer.IndexWriter--> zarr `grads` rows and their per-module `norms` at their dataset positions, flags last
 
 One query:
     JSONL rows --query.rows.query_gradients (the same gradient path, with the modules and
@@ -51,29 +53,34 @@ One query:
       merged into a running top-k--> Ranking --recipes.query--> JSONL results
 """
 
+from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import load_config
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import GradianError
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.index.callback import GradientIndexer
 from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.index.session import IndexSession
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.token_scores import query_token_scores
 from gradian_lightning.query.topk import Index, Ranking, open_index, streaming_topk
 from gradian_lightning.recipes.validate import validate
+from gradian_lightning.specs import IndexSpec, QuerySpec
 
 __all__ = [
     "GradientIndexer",
     "Index",
     "GradianError",
     "IndexReader",
+    "IndexSession",
+    "IndexSpec",
     "IndexWriter",
     "JsonlDataset",
     "KroneckerProjector",
     "LinearCapture",
+    "QuerySpec",
     "Ranking",
     "collate",
     "load_config",

@@ -13,20 +13,32 @@ from gradian_lightning.errors import GradianError
 def _print_index_summary(summary: Optional[dict]) -> None:
     if summary is None:  # a rank other than 0 of a multi-process run: rank 0 reports
         return
+    if "checkpoints" not in summary:
+        return _print_rows_summary(summary, f"gradian index: {{}} written to {summary['path']}", "  ")
+    done = "complete" if summary["complete"] else "INCOMPLETE"
+    steps = ", ".join(str(c["step"]) for c in summary["checkpoints"])
+    print(
+        f"gradian index: {len(summary['checkpoints'])} checkpoints (steps {steps}) written to {summary['path']} ({done})"
+    )
+    print(f"  bytes on disk: {summary['bytes_on_disk']:,} (the whole index)")
+    for checkpoint in summary["checkpoints"]:
+        _print_rows_summary(checkpoint, f"  step {checkpoint['step']}: {{}}", "    ")
+
+
+def _print_rows_summary(summary: dict, head: str, indent: str) -> None:
+    """What one indexing run wrote: `head` with "{}" for its row count, then lines at `indent`."""
     rows, total = summary["rows"], summary["num_rows"]
     per_row = summary["grads_bytes"] / max(total, 1)
-    print(
-        f"gradian index: {rows}/{total} rows written to {summary['path']} ({'complete' if summary['complete'] else 'INCOMPLETE'})"
-    )
+    print(head.format(f"{rows}/{total} rows") + f" ({'complete' if summary['complete'] else 'INCOMPLETE'})")
     if summary.get("kept_rows") == total and not summary.get("computed_rows"):
-        print("  already complete: an earlier run wrote every row, so nothing was computed")
+        print(f"{indent}already complete: an earlier run wrote every row, so nothing was computed")
     elif summary.get("kept_rows"):
         print(
-            f"  resumed: {summary['kept_rows']} rows kept from an interrupted run, {summary['computed_rows']} computed now"
+            f"{indent}resumed: {summary['kept_rows']} rows kept from an interrupted run, {summary['computed_rows']} computed now"
         )
-    print(f"  bytes on disk: {summary['bytes_on_disk']:,} ({per_row:,.0f} bytes per row uncompressed)")
+    print(f"{indent}bytes on disk: {summary['bytes_on_disk']:,} ({per_row:,.0f} bytes per row uncompressed)")
     cut = summary["truncated_rows"]
-    print(f"  completions cut by grads.max_seq_length: {cut} ({100.0 * cut / max(total, 1):.1f}%)")
+    print(f"{indent}completions cut by grads.max_seq_length: {cut} ({100.0 * cut / max(total, 1):.1f}%)")
     for key, what in (
         ("empty_rows", "with zero supervised tokens (excluded from ranking)"),
         ("nonfinite_rows", "with NaN/inf gradients (stored as zeros, excluded from ranking)"),
@@ -36,7 +48,7 @@ def _print_index_summary(summary: Optional[dict]) -> None:
         shown = ", ".join(f"{i} (id {ids[i]!r})" if i in ids else str(i) for i in found[:20]) + (
             " ..." if len(found) > 20 else ""
         )
-        print(f"  rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
+        print(f"{indent}rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
 def _index(args: argparse.Namespace) -> None:

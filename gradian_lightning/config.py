@@ -11,26 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.specs import IndexSpec, QuerySpec, check
 
-STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
-SCORES = ("cosine", "inner")
-NORMALIZE = ("module", "row")
 ENGINES = ("local", "dask")
-PRECONDITIONS = ("auto", "none", "diag", "fisher")
-# What the indexing backward recomputes instead of keeping (gradients/recompute.py); mlp measured
-# 0.58x the plain step's peak RSS at 0.67-0.74x its time on SmolLM2 (benchmarks/RESULTS.md §1).
-RECOMPUTE = ("mlp", "layers", "none")
-DEFAULT_RECOMPUTE = "mlp"
-# The measured best (benchmarks/RANKING.md, issue 10's grid): fisher where the index keeps the k²×k²
-# second moments (grads.projection_dim <= 32, projected rows), diag elsewhere, at damping 1.0.
-DEFAULT_PRECONDITION = "auto"
-DEFAULT_MODULE_FILTER = ("gate_proj", "up_proj", "down_proj")  # the MLP
-DEFAULT_DAMPING = 1.0
 
 
 @dataclass
@@ -55,17 +43,16 @@ class DataConfig:
 class GradsConfig:
     batch_size: int = 4
     max_seq_length: int = 512
-    storage_dtype: str = "float16"
+    # The rest is the IndexSpec (specs.py), which holds the defaults and the checks.
+    storage_dtype: str = IndexSpec.storage_dtype
     # A name, a dotted suffix of a name, a glob, or a list of these (see docs/configuration.md).
-    module_filter: Any = field(
-        default_factory=lambda: list(DEFAULT_MODULE_FILTER)
-    )  # measured best (benchmarks/RANKING.md)
-    projection_dim: Optional[int] = 16
-    seed: int = 0
+    module_filter: Any = field(default_factory=lambda: list(IndexSpec.module_filter))
+    projection_dim: Optional[int] = IndexSpec.projection_dim
+    seed: int = IndexSpec.seed
     # Head + fp32 cross-entropy this many supervised tokens at a time (null: all at once).
-    loss_chunk_tokens: Optional[int] = None
+    loss_chunk_tokens: Optional[int] = IndexSpec.loss_chunk_tokens
     # What the backward runs again instead of keeping its activations: mlp | layers | none.
-    recompute: str = DEFAULT_RECOMPUTE
+    recompute: str = IndexSpec.recompute
 
 
 @dataclass
@@ -78,17 +65,19 @@ class IndexConfig:
 @dataclass
 class QueryConfig:
     data: Optional[str] = None
-    top_k: Any = 10  # an integer >= 1, or "all": every row, scored (what gradian validate needs)
-    bottom_k: int = 0
-    score: str = "cosine"
-    normalize: str = "module"  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
+    # top_k ... checkpoints are the QuerySpec (specs.py), which holds the defaults and the checks.
+    top_k: Any = QuerySpec.top_k  # an integer >= 1, or "all": every row, scored (what gradian validate needs)
+    bottom_k: int = QuerySpec.bottom_k
+    score: str = QuerySpec.score
+    normalize: str = (
+        QuerySpec.normalize
+    )  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
     engine: str = "local"  # "local": stream chunks in this process; "dask": score on a Dask cluster
     dask_scheduler: Optional[str] = None  # engine dask: scheduler address; null starts a LocalCluster
-    precondition: str = DEFAULT_PRECONDITION  # auto | none | diag | fisher, from the statistics stored in the index
-    damping: float = DEFAULT_DAMPING  # relative to the mean eigenvalue of each module's second moment
-    checkpoints: Any = (
-        "all"  # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
-    )
+    precondition: str = QuerySpec.precondition  # auto | none | diag | fisher, from the statistics stored in the index
+    damping: float = QuerySpec.damping  # relative to the mean eigenvalue of each module's second moment
+    # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
+    checkpoints: Any = QuerySpec.checkpoints
     output: Optional[str] = None
     # Each result row also gets its supervised tokens' terms of the score (query/token_scores.py).
     token_scores: bool = False
@@ -196,89 +185,38 @@ def load_config(path: str | Path | None = None, overrides: List[str] | None = No
     return cfg
 
 
-def module_patterns(value: Any) -> List[str]:
-    """`grads.module_filter` as a list of non-empty pattern strings."""
-    if isinstance(value, str):
-        items = [value]
-    elif isinstance(value, (list, tuple, ListConfig)):
-        items = list(value)
-    else:
-        items = [value]
-    if not items or not all(isinstance(p, str) and p.strip() for p in items):
-        raise ConfigError(
-            f"setting 'grads.module_filter'={value!r}: must be a module name pattern or a list of them, e.g. down_proj or [q_proj, v_proj]"
-        )
-    return [p.strip() for p in items]
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"setting '{key}'={value!r} is not allowed; use {allowed}")
-
-
 def validate(cfg: DictConfig) -> None:
     """Check values omegaconf's types cannot express. Raises `ConfigError` with one line."""
     g = cfg.grads
-    _check(g.batch_size >= 1, "grads.batch_size", g.batch_size, "an integer >= 1")
-    _check(g.max_seq_length >= 2, "grads.max_seq_length", g.max_seq_length, "an integer >= 2")
-    _check(g.storage_dtype in STORAGE_DTYPES, "grads.storage_dtype", g.storage_dtype, " or ".join(STORAGE_DTYPES))
-    _check(g.recompute in RECOMPUTE, "grads.recompute", g.recompute, " or ".join(RECOMPUTE))
-    _check(
-        g.projection_dim is None or g.projection_dim >= 1,
-        "grads.projection_dim",
-        g.projection_dim,
-        "an integer >= 1, or null for exact gradients",
-    )
-    _check(
-        g.loss_chunk_tokens is None or g.loss_chunk_tokens >= 1,
-        "grads.loss_chunk_tokens",
-        g.loss_chunk_tokens,
-        "an integer >= 1, or null for the whole batch at once",
-    )
-    module_patterns(g.module_filter)
-    _check(cfg.model.dtype in MODEL_DTYPES, "model.dtype", cfg.model.dtype, " or ".join(MODEL_DTYPES))
+    check(g.batch_size >= 1, "grads.batch_size", g.batch_size, "an integer >= 1")
+    check(g.max_seq_length >= 2, "grads.max_seq_length", g.max_seq_length, "an integer >= 2")
+    IndexSpec.from_config(g)  # the rest of grads.*
+    check(cfg.model.dtype in MODEL_DTYPES, "model.dtype", cfg.model.dtype, " or ".join(MODEL_DTYPES))
     q = cfg.query
-    _check(
-        q.top_k == "all" or (isinstance(q.top_k, int) and not isinstance(q.top_k, bool) and q.top_k >= 1),
-        "query.top_k",
-        q.top_k,
-        'an integer >= 1, or "all" for every row',
-    )
-    _check(q.bottom_k >= 0, "query.bottom_k", q.bottom_k, "an integer >= 0")
-    _check(q.score in SCORES, "query.score", q.score, " or ".join(SCORES))
-    _check(q.normalize in NORMALIZE, "query.normalize", q.normalize, " or ".join(NORMALIZE))
-    _check(q.engine in ENGINES, "query.engine", q.engine, " or ".join(ENGINES))
-    _check(
+    QuerySpec.from_config(q)  # top_k ... checkpoints
+    check(q.engine in ENGINES, "query.engine", q.engine, " or ".join(ENGINES))
+    check(
         cfg.index.rows_per_chunk is None or cfg.index.rows_per_chunk >= 1,
         "index.rows_per_chunk",
         cfg.index.rows_per_chunk,
         "an integer >= 1, or null for about 4 MiB per chunk",
     )
-    _check(
+    check(
         bool(str(cfg.index.path).strip()),
         "index.path",
         cfg.index.path,
         "a directory path or fsspec URL for the zarr index",
     )
-    _check(q.precondition in PRECONDITIONS, "query.precondition", q.precondition, " or ".join(PRECONDITIONS))
-    _check(q.damping >= 0, "query.damping", q.damping, "a number >= 0")
-    steps = OmegaConf.to_object(q.checkpoints) if OmegaConf.is_config(q.checkpoints) else q.checkpoints
-    _check(
-        steps in ("last", "all") or (isinstance(steps, list) and steps and all(isinstance(s, int) for s in steps)),
-        "query.checkpoints",
-        steps,
-        "last, all or a list of checkpoint steps",
-    )
-    _check(cfg.report.token_rows >= 0, "report.token_rows", cfg.report.token_rows, "an integer >= 0")
+    check(cfg.report.token_rows >= 0, "report.token_rows", cfg.report.token_rows, "an integer >= 0")
     v = cfg.validate
-    _check(v.num_subsets >= 2, "validate.num_subsets", v.num_subsets, "an integer >= 2 (a rank correlation needs two)")
-    _check(0 < v.alpha < 1, "validate.alpha", v.alpha, "a fraction between 0 and 1, such as 0.5")
-    _check(v.repeats >= 1, "validate.repeats", v.repeats, "an integer >= 1")
-    _check(v.epochs >= 1, "validate.epochs", v.epochs, "an integer >= 1")
-    _check(v.learning_rate > 0, "validate.learning_rate", v.learning_rate, "a number > 0")
-    _check(v.batch_size >= 1, "validate.batch_size", v.batch_size, "an integer >= 1")
+    check(v.num_subsets >= 2, "validate.num_subsets", v.num_subsets, "an integer >= 2 (a rank correlation needs two)")
+    check(0 < v.alpha < 1, "validate.alpha", v.alpha, "a fraction between 0 and 1, such as 0.5")
+    check(v.repeats >= 1, "validate.repeats", v.repeats, "an integer >= 1")
+    check(v.epochs >= 1, "validate.epochs", v.epochs, "an integer >= 1")
+    check(v.learning_rate > 0, "validate.learning_rate", v.learning_rate, "a number > 0")
+    check(v.batch_size >= 1, "validate.batch_size", v.batch_size, "an integer >= 1")
     scorers = OmegaConf.to_object(v.scorers) if OmegaConf.is_config(v.scorers) else v.scorers
-    _check(
+    check(
         scorers is None or (isinstance(scorers, list) and all(isinstance(s, dict) for s in scorers)),
         "validate.scorers",
         scorers,

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from gradian_lightning.errors import ConfigError
 
@@ -86,3 +87,39 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def find_causal_lm(pl_module: nn.Module, attribute: Optional[str] = None) -> nn.Module:
+    """The Hugging Face model in a LightningModule (any nn.Module): `attribute` (dotted) or the
+    top-most PreTrainedModel. A `peft.PeftModel` at `attribute` is returned as it is: whoever runs
+    it takes its base model (gradients/peft.py `unwrap_peft`)."""
+    from transformers import PreTrainedModel
+
+    if not attribute:
+        found = next((m for _, m in pl_module.named_modules() if isinstance(m, PreTrainedModel)), None)
+        if found is None:
+            raise ConfigError(
+                f"GradientIndexer found no transformers PreTrainedModel inside {type(pl_module).__name__}; pass model_attribute='name_of_the_model_attribute'"
+            )
+        return found
+    model = pl_module
+    for part in attribute.split("."):
+        model = getattr(model, part, None)
+        if model is None:
+            raise ConfigError(
+                f"GradientIndexer(model_attribute={attribute!r}): {type(pl_module).__name__} has no attribute {part!r}"
+            )
+    return model
+
+
+def describe_model(model: nn.Module, name_or_path: Optional[str] = None) -> Dict[str, Any]:
+    """What an index records of the model its rows were made with, and what a query's model is
+    compared against: class, resolved name (`name_or_path` when the model's config has none),
+    vocabulary size and parameter dtype."""
+    config = getattr(model, "config", None)
+    return {
+        "class": type(model).__name__,
+        "name_or_path": normalized_name(getattr(config, "_name_or_path", None) or name_or_path),
+        "vocab_size": getattr(config, "vocab_size", None),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }

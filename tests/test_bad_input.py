@@ -115,7 +115,7 @@ def test_nonfinite_gradients_are_counted_named_and_not_stored(tmp_path, tokenize
 
 
 def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model, tokenizer, capsys, monkeypatch):
-    import gradian_lightning.index.callback as callback
+    import gradian_lightning.index.session as session
 
     calls = []
 
@@ -127,7 +127,7 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
 
         return projected_gradients(model, batch, *args, **kwargs)
 
-    monkeypatch.setattr(callback, "projected_gradients", out_of_memory)
+    monkeypatch.setattr(session, "projected_gradients", out_of_memory)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     code, _, err = run(
         capsys, *index_args(tmp_path, saved_model, data, "grads.batch_size=3", "grads.max_seq_length=20")
@@ -140,7 +140,7 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
     from gradian_lightning.gradients.memory import human_bytes
 
     assert err.startswith(
-        "gradian index: error: device out of memory indexing rows 3-5: a batch of 3 rows (grads.batch_size=3, grads.max_seq_length=20"
+        "gradian index: error: device out of memory indexing rows 3-5: a batch of 3 rows (grads.max_seq_length=20, padded length"
     )
     assert (
         f"holds {n_supervised} supervised tokens × vocab {vocab}, so its fp32 logits alone need {human_bytes(want_bytes)}"
@@ -158,12 +158,12 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
 
 
 def test_other_runtime_errors_pass_through(tmp_path, saved_model, capsys, monkeypatch):
-    import gradian_lightning.index.callback as callback
+    import gradian_lightning.index.session as session
 
     def broken(*args, **kwargs):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
-    monkeypatch.setattr(callback, "projected_gradients", broken)
+    monkeypatch.setattr(session, "projected_gradients", broken)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         main(index_args(tmp_path, saved_model, data))
@@ -171,14 +171,14 @@ def test_other_runtime_errors_pass_through(tmp_path, saved_model, capsys, monkey
 
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_out_of_memory_names_the_loss_chunk_lever_when_it_is_off(tmp_path, model, chunk):
+    from gradian_lightning import IndexSession, IndexSpec
     from gradian_lightning.gradients.memory import human_bytes
-    from gradian_lightning.index.callback import GradientIndexer
 
-    indexer = GradientIndexer(tmp_path / "ix", loss_chunk_tokens=chunk)
-    indexer.model = model
+    session = IndexSession(IndexSpec(loss_chunk_tokens=chunk), tmp_path / "ix")
+    session.bind(model)
     labels = torch.randint(3, 40, (2, 300))
     batch = {"input_ids": labels.clone(), "labels": labels, "index": torch.tensor([7, 8])}
-    err = str(indexer._out_of_memory(batch, torch.tensor([True, True])))
+    err = str(session.out_of_memory(batch, torch.tensor([True, True])))
     vocab = model.config.vocab_size
     if (
         chunk is None

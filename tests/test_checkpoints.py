@@ -139,7 +139,7 @@ def test_every_n_val_runs_and_a_one_checkpoint_index(tmp_path, model, tokenizer,
         t.validate(FineTune(model), dataloaders=loader(dataset))
 
 
-def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, tokenizer, rows, saved_model):
+def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, tokenizer, rows, saved_model, capsys):
     from conftest import make_model, write_jsonl
 
     from gradian_lightning.cli import main
@@ -161,6 +161,27 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
     assert main(["index", *common, f"data.train={data}"]) == 0
     index = open_index(tmp_path / "ix")
     assert [e["step"] for e in index.checkpoints] == [0, 1] and [e["lr"] for e in index.checkpoints] == [None, None]
+    # One predicted total, of both checkpoints' arrays; then a summary of each checkpoint and of the whole index.
+    out = capsys.readouterr().out.splitlines()
+    from gradian_lightning.gradients.memory import human_bytes
+    from gradian_lightning.index.location import Location
+
+    arrays = 0
+    for step in (0, 1):
+        group = zarr.open_group(str(tmp_path / "ix" / "checkpoints" / f"step-{step}"), mode="r")
+        arrays += group["grads"].nbytes + group["norms"].nbytes
+        arrays += sum(a.nbytes for a in group["statistics"].array_values())
+    predicted = [line for line in out if "predicted for" in line]
+    assert predicted == [
+        f"gradian index: {len(rows)} rows × 2 checkpoints × 6 modules, row width 1,536 (float32) -> {human_bytes(arrays)} predicted for {tmp_path / 'ix'}"
+    ]
+    whole = Location(tmp_path / "ix").bytes_on_disk()
+    assert out[1:4] == [
+        f"gradian index: 2 checkpoints (steps 0, 1) written to {tmp_path / 'ix'} (complete)",
+        f"  bytes on disk: {whole:,} (the whole index)",
+        f"  step 0: {len(rows)}/{len(rows)} rows (complete)",
+    ]
+    assert f"  step 1: {len(rows)}/{len(rows)} rows (complete)" in out
     assert index.at(0).meta["model"]["name_or_path"] == str(saved_model) and index.meta["model"]["name_or_path"] == str(
         tuned
     )

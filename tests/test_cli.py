@@ -37,7 +37,11 @@ def test_index_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):
     assert "completions cut by grads.max_seq_length: 1 (12.5%)" in out
     grads = zarr.open_group(str(tmp_path / "ix"))["grads"]
     assert grads.shape == (len(ROWS) + 1, width) and str(grads.dtype) == "float16"
-    assert zarr.open_group(str(tmp_path / "ix")).attrs["gradian"]["config"]["grads"]["batch_size"] == 3
+    meta = zarr.open_group(str(tmp_path / "ix")).attrs["gradian"]
+    # Each setting is stored once: the spec's under "spec", the rest of grads.* in the config.
+    assert meta["config"]["grads"] == {"batch_size": 3, "max_seq_length": 24}
+    assert meta["spec"]["storage_dtype"] == "float16" and meta["spec"]["projection_dim"] == 16
+    assert not {"projection", "indexer", "identity", "storage_dtype"} & set(meta)
 
 
 def test_errors_are_one_line_and_exit_2(tmp_path, saved_model, capsys):

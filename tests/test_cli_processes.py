@@ -145,4 +145,4 @@ def test_sigkilled_run_resumes_computing_only_the_missing_rows(tmp_path, saved_m
         and "holds a Gradian index of another configuration (differing: modules, projection.dim (4 -> 2))" in errors[0]
     )
     assert main(command + ["grads.projection_dim=2", "index.overwrite=true", "trainer.limit_val_batches=1"]) == 0
-    assert json.loads(json.dumps(zarr.open_group(str(path), mode="r").attrs["gradian"]["projection"]))["dim"] == 2
+    assert json.loads(json.dumps(zarr.open_group(str(path), mode="r").attrs["gradian"]["spec"]))["projection_dim"] == 2

@@ -15,10 +15,10 @@ from test_cli_processes import clean_env
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index, select_modules
+from gradian_lightning.callback import check_strategy
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import unwrapped_name
-from gradian_lightning.index.callback import check_strategy
 from gradian_lightning.recipes.index import CausalLMModule
 
 pytestmark = pytest.mark.slow  # two CPU ranks in child processes
@@ -54,7 +54,7 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy
 trainer.validate(Sharded(make_model(len(tokenizer))), dataloaders=loader, verbose=False)
 weight = trainer.lightning_module.model.lm_head.weight
 if trainer.is_global_zero:
-    print("RESULT " + json.dumps({{"modules": list(indexer.modules), "weight": type(weight).__name__, "shard_rows": weight.to_local().shape[0], "rows": weight.shape[0]}}))
+    print("RESULT " + json.dumps({{"modules": list(indexer.session.modules), "weight": type(weight).__name__, "shard_rows": weight.to_local().shape[0], "rows": weight.shape[0]}}))
 """
 
 
@@ -81,7 +81,7 @@ def test_fsdp2_on_two_cpu_ranks_writes_the_unsharded_rows_and_names(tmp_path):
     assert (
         result["weight"] == "DTensor" and result["shard_rows"] * 2 == result["rows"]
     )  # really sharded: half the head per rank
-    assert result["modules"] == list(plain.modules)  # module_filter names the same modules as without FSDP
+    assert result["modules"] == list(plain.session.modules)  # module_filter names the same modules as without FSDP
     sharded, unsharded = open_index(tmp_path / "sharded"), open_index(tmp_path / "plain")
     assert sharded.meta["complete"] and [b["name"] for b in sharded.meta["modules"]] == [
         b["name"] for b in unsharded.meta["modules"]

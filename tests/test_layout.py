@@ -92,12 +92,23 @@ def test_boundaries():
             assert not {m for m in imported if m.startswith((f"{ROOT}.index", f"{ROOT}.query", f"{ROOT}.recipes"))}, (
                 name
             )
-        if name.startswith(f"{ROOT}.index") and name != f"{ROOT}.index.callback":
+        if name.startswith(f"{ROOT}.index"):
             assert "lightning" not in tops, f"{name} imports lightning"
             assert not {
-                m for m in imported if m.startswith((f"{ROOT}.query", f"{ROOT}.recipes", f"{ROOT}.index.callback"))
+                m for m in imported if m.startswith((f"{ROOT}.query", f"{ROOT}.recipes", f"{ROOT}.callback"))
             }, name
         if not name.startswith((f"{ROOT}.recipes", f"{ROOT}.cli")) and name != ROOT:
             assert not {m for m in imported if m.startswith((f"{ROOT}.recipes", f"{ROOT}.cli"))}, (
                 f"{name} imports a recipe or the CLI"
             )
+
+
+def test_the_settings_objects_and_the_adapter_sit_where_the_docstring_says():
+    """specs.py is bottom: every layer may read the settings, and they import nothing of gradian's
+    but its errors. The Lightning adapter maps hooks onto an IndexSession: it scores nothing."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    specs = {m for m in imports_of(PACKAGE / "specs.py", set(files)) if m.startswith(ROOT)}
+    assert specs <= {f"{ROOT}.errors"}, specs
+    adapter = {m for m in imports_of(PACKAGE / "callback.py", set(files)) if m.startswith(ROOT)}
+    assert f"{ROOT}.index.session" in adapter
+    assert not {m for m in adapter if m.startswith((f"{ROOT}.query", f"{ROOT}.recipes", f"{ROOT}.gradients"))}, adapter

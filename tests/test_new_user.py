@@ -498,9 +498,11 @@ def test_a_relative_data_path_resumes_from_another_folder(tmp_path, saved_model,
 
 
 def test_the_damping_error_names_the_real_default():
-    from gradian_lightning.config import DEFAULT_DAMPING
-    from gradian_lightning.query.precondition import _damping
+    from gradian_lightning.index.statistics import WHITENED_NORMS_DAMPING
+    from gradian_lightning.specs import DEFAULT_DAMPING, QuerySpec
 
     with pytest.raises(ConfigError, match=rf"; {DEFAULT_DAMPING} is the default\)$"):
-        _damping(-1.0)
-    assert DEFAULT_DAMPING == 1.0
+        QuerySpec(damping=-1.0)
+    assert DEFAULT_DAMPING == QuerySpec().damping == 1.0
+    # The writer stores whitened norms for the default damping, or default fisher queries whiten every chunk.
+    assert WHITENED_NORMS_DAMPING == DEFAULT_DAMPING

@@ -8,10 +8,10 @@ import torch
 import zarr
 
 from gradian_lightning import open_index
-from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.topk import uses_whitened_norms
+from gradian_lightning.specs import DEFAULT_DAMPING, QuerySpec
 
 N, S = 40, 9  # rows; block size k² with k = 3
 MODULES = [{"name": f"m{i}", "offset": i * S, "size": S} for i in range(3)]
@@ -177,7 +177,9 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
     whitening every chunk (what an index whose close was killed before the norms were recorded gets)."""
     train, queries = random_rows(N, 0), random_rows(5, 1)
     index = make_index(tmp_path / "ix", train)
-    assert index.whitened_damping == DEFAULT_DAMPING and uses_whitened_norms(index, score, "fisher", DEFAULT_DAMPING)
+    assert index.whitened_damping == DEFAULT_DAMPING and uses_whitened_norms(
+        index, QuerySpec(score=score, precondition="fisher")
+    )
     metric = dense_metric(train, queries, "fisher", DEFAULT_DAMPING)
     np.testing.assert_allclose(
         index.whitened_norms(0, N).numpy(), np.sqrt(np.stack([tt for _, _, tt in metric], axis=1)), rtol=1e-5
@@ -194,14 +196,16 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
     if score == "cosine":
         del zarr.open_group(str(tmp_path / "ix"), mode="r+")["statistics"].attrs["whitened_damping"]
         slow = open_index(tmp_path / "ix")
-        assert slow.whitened_damping is None and not uses_whitened_norms(slow, score, "fisher", DEFAULT_DAMPING)
+        assert slow.whitened_damping is None and not uses_whitened_norms(
+            slow, QuerySpec(score=score, precondition="fisher")
+        )
         np.testing.assert_allclose(
             all_scores(slow, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING),
             fast,
             atol=2e-6,
         )
     # another damping whitens every chunk: the stored norms are for the default only
-    assert not uses_whitened_norms(index, "cosine", "fisher", 0.5)
+    assert not uses_whitened_norms(index, QuerySpec(precondition="fisher", damping=0.5))
 
 
 def test_whitened_norms_are_stored_once_every_row_is_written_and_survive_a_resume(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from conftest import ROWS, make_model, write_jsonl
 from torch.utils.data import DataLoader
 
-from gradian_lightning import GradientIndexer, open_index, query_gradients, streaming_topk
+from gradian_lightning import GradientIndexer, IndexSpec, QuerySpec, open_index, query_gradients, streaming_topk
 from gradian_lightning.cli import main
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
@@ -83,7 +83,8 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     monkeypatch.setattr(index, "stored", lambda lo, hi: reads.append((lo, hi)) or stored(lo, hi))
     for k in (1, 4, 5, 7, int(valid.sum()), n, 40):  # k = rankable rows, k = N and k > N
         reads.clear()
-        top, bottom = streaming_topk(index, queries, k, score, bottom_k=k, normalize=normalize, precondition="none")
+        spec = QuerySpec(top_k=k, bottom_k=k, score=score, normalize=normalize, precondition="none")
+        top, bottom = streaming_topk(index, queries, spec)
         want_i, want_s = argsort_ranking(queries, grads, valid, k, score, blocks=reference_blocks)
         assert top.indices.shape == (4, min(k, 18))
         np.testing.assert_array_equal(top.indices.numpy(), want_i)
@@ -179,7 +180,7 @@ def test_mismatches_are_named_in_one_line(tiny_index, tokenizer, model, rows):
         check_matches_index(
             tiny_index,
             model,
-            {"projection_dim": 16, "seed": 5, "storage_dtype": "float32", "module_filter": "down_proj"},
+            IndexSpec(projection_dim=16, seed=5, storage_dtype="float32", module_filter="down_proj"),
         )
     message = str(err.value)
     assert (
@@ -187,13 +188,13 @@ def test_mismatches_are_named_in_one_line(tiny_index, tokenizer, model, rows):
         in message
     )
     assert (
-        "grads.module_filter='down_proj' selects 2 modules here, not the 4 modules of the index" in message
+        "grads.module_filter=['down_proj'] selects 2 modules here, not the 4 modules of the index" in message
         and "seed" not in message
     )
     check_matches_index(
         tiny_index,
         model,
-        {"projection_dim": 8, "seed": 5, "storage_dtype": "float16", "module_filter": ["o_proj", "down_proj"]},
+        IndexSpec(projection_dim=8, seed=5, storage_dtype="float16", module_filter=["o_proj", "down_proj"]),
     )
     with pytest.raises(DataError, match="row 2 .* has no supervised token within max_seq_length=8"):
         query_gradients(

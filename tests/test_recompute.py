@@ -66,12 +66,10 @@ def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
 
 def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, tokenizer, rows):
 
-    with pytest.raises(
-        ConfigError, match=r"GradientIndexer\(recompute='yes'\) is not allowed; use 'mlp' or 'layers' or 'none'"
-    ):
+    with pytest.raises(ConfigError, match=r"setting 'grads.recompute'='yes' is not allowed; use mlp or layers or none"):
         GradientIndexer(tmp_path / "bad", recompute="yes")
     dataset = JsonlDataset(rows, tokenizer, 64)
-    assert GradientIndexer(tmp_path / "default").recompute == "mlp"
+    assert GradientIndexer(tmp_path / "default").session.spec.recompute == "mlp"
     for name, recompute in (("kept", "none"), ("recomputed", "layers")):
         indexer = GradientIndexer(
             tmp_path / name, ["down_proj", "q_proj"], projection_dim=4, storage_dtype="float32", recompute=recompute

@@ -8,7 +8,7 @@ supervised_token_loss (loss.py)  under  LinearCapture hooks (capture.py)
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -30,6 +30,24 @@ class _Holder(nn.Module):
 
     def forward(self, run: Callable[[], Any]) -> Any:
         return run()
+
+
+@contextlib.contextmanager
+def gradient_mode(device: torch.device) -> Iterator[None]:
+    """What a gradient run inside someone else's loop needs: autograd on, and their RNG untouched.
+
+    Lightning validates under `torch.inference_mode`, and a notebook may run under `no_grad`:
+    autograd needs both lifted (tensors made under inference mode are only usable as inputs, so
+    callers index batches into ordinary copies). `fork_rng`: a model left in train mode (dropout)
+    must not advance the user's RNG, on the CPU or on `device`.
+    """
+    devices = [device] if device.type != "cpu" else []
+    with (
+        torch.random.fork_rng(devices=devices, device_type=device.type),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+    ):
+        yield
 
 
 def projected_gradients(

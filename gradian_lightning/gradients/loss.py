@@ -36,6 +36,9 @@ from gradian_lightning.errors import ConfigError, GradianError
 
 # Config keys of architectures that transform logits after the output head (Gemma's soft-capping,
 # Cohere's and Granite's scaling): the chunked loss owns the head, so it cannot reproduce them.
+# What `supervised_token_loss` computes, as an index records it: a query of an index that recorded
+# another loss is refused (query/rows.py).
+LOSS_KIND = "supervised_token_sum"
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 

@@ -13,11 +13,12 @@ index written without `checkpoints=True`) is its own single checkpoint at its `g
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, stored_meta
+from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, identity, stored_meta
 from gradian_lightning.index.location import Location
 
 GROUP = "checkpoints"
@@ -91,8 +92,10 @@ def register_checkpoint(
 
 
 def _rows_layout(meta: Dict[str, Any]) -> Tuple[Any, ...]:
-    # What every checkpoint of one index shares; the model's name may differ (a base and its fine-tune).
-    return tuple(repr(meta.get(key)) for key in ("modules", "projection", "storage_dtype", "num_rows", "width", "data"))
+    # What every checkpoint of one index shares: its identity but the model's name, which may
+    # differ (a base and its fine-tune), and the row count and width.
+    shared = {k: v for k, v in identity(meta).items() if k != "model"}
+    return tuple(json.dumps(v, sort_keys=True, default=str) for v in (shared, meta.get("num_rows"), meta.get("width")))
 
 
 def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tuple[Dict[str, Any], float]]:

@@ -17,9 +17,13 @@
       statistics/                    second moments of the counted rows, written on close (statistics.py)
 
 Row i is dataset position i, whatever order rows arrive in. Metadata attribute "gradian" holds
-`format_version`, `complete` (every row written), `num_rows`, `width`, `storage_dtype`,
-`fingerprint` (what must match to resume), `global_step`, and what the writer was given:
-the resolved config, the module layout, projection, model and package versions.
+`format_version`, `complete` (every row written), `num_rows`, `width`, `spec` (the `IndexSpec`
+the rows were made with, specs.py: module filter, projection dim and seed, storage dtype, ...),
+`fingerprint` (a hash of `identity(meta)` and num_rows: what must match to resume), `global_step`,
+and what the writer was given: the module layout, model, data, package versions and the CLI's
+config (its `grads` section without the spec's keys). Indexes written before `spec` existed hold
+`storage_dtype`, `projection` {kind, dim, seed}, `indexer` and `identity` instead; `stored_spec`
+and `identity` read both.
 
 Readable with plain zarr: `zarr.open_group(path)["grads"][:10]`. `index.path` may be an fsspec URL
 (s3://, gs://, file://, memory://): `location.py` opens it.
@@ -38,6 +42,7 @@ import zarr
 
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.location import Location
+from gradian_lightning.specs import IndexSpec
 
 FORMAT_VERSION = 1
 ATTRIBUTE = "gradian"
@@ -109,6 +114,40 @@ def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.
         ],
         dim=1,
     )
+
+
+def storage_dtype_of(meta: Dict[str, Any]) -> str:
+    """The dtype the rows of an index with metadata `meta` are stored in."""
+    return meta["spec"]["storage_dtype"] if "spec" in meta else meta["storage_dtype"]
+
+
+def stored_spec(meta: Dict[str, Any]) -> IndexSpec:
+    """The `IndexSpec` an index's rows were made with, from its metadata (any format version 1 index)."""
+    if "spec" in meta:
+        return IndexSpec(**meta["spec"])
+    # Written before `spec` existed: the same settings, under the names of the day.
+    indexer, projection = meta.get("indexer") or {}, meta.get("projection") or {}
+    grads = (meta.get("config") or {}).get("grads") or {}
+    return IndexSpec(
+        module_filter=indexer.get("module_filter") or grads.get("module_filter") or IndexSpec.module_filter,
+        projection_dim=projection.get("dim"),
+        storage_dtype=meta["storage_dtype"],
+        seed=projection.get("seed", 0),
+    )
+
+
+def identity(meta: Dict[str, Any]) -> Dict[str, Any]:
+    """What an index's rows depend on: the model, the module layout, the projection, the storage
+    dtype and the data. The fingerprint hashes it (with num_rows); a refusal to resume names the
+    keys that differ. Indexes written before `spec` existed stored it as "identity"."""
+    if "identity" in meta:
+        return dict(meta["identity"])
+    return {  # KeyError for the metadata of an index written by IndexWriter alone: it has no model
+        "model": meta["model"].get("name_or_path"),
+        "modules": meta["modules"],
+        **stored_spec(meta).rows_identity(),
+        "data": meta.get("data"),
+    }
 
 
 def fingerprint(parts: Dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ import zarr
 
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.checkpoints import checkpoint_entries
-from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, has_member, read_meta
+from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, has_member, read_meta, storage_dtype_of
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
     GROUP,
@@ -56,7 +56,7 @@ class IndexReader:
             self.group = self.group[entry["group"]]
             self.meta = {**dict(self.group.attrs[ATTRIBUTE]), "checkpoints": self.checkpoints}
         self.grads = self.group["grads"]
-        self.storage_dtype = self.meta["storage_dtype"]
+        self.storage_dtype = storage_dtype_of(self.meta)
         self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`
         self._norms_array = (
             self.group[NORMS] if has_member(self.group, NORMS, zarr.Array) else None

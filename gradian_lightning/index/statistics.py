@@ -44,6 +44,10 @@ SLAB_BYTES = 4 << 20  # the eigenvectors are computed and written this many byte
 GROUP = "statistics"
 WHITENED_NORMS = "whitened_norms"
 WHITENED_DAMPING = "whitened_damping"
+# The damping the writer stores whitened norms for: the default query.damping (specs.QuerySpec; a
+# test keeps the two equal), so that a default fisher query never whitens a chunk. Queries at any
+# other damping whiten the chunks themselves (query/topk.py `uses_whitened_norms`).
+WHITENED_NORMS_DAMPING = 1.0
 
 
 def gram_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[int]:

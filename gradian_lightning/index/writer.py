@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError, GradianError, IndexWriteError
 from gradian_lightning.index.layout import (
     ATTRIBUTE,
@@ -26,6 +25,7 @@ from gradian_lightning.index.layout import (
     decode,
     encode,
     has_member,
+    identity,
     module_norms,
     stored_meta,
 )
@@ -34,6 +34,7 @@ from gradian_lightning.index.statistics import (
     GROUP,
     WHITENED_DAMPING,
     WHITENED_NORMS,
+    WHITENED_NORMS_DAMPING,
     RowStatistics,
     counted,
     layout_blocks,
@@ -51,14 +52,15 @@ def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
 
 
 def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
-    """The dotted keys of `identity` (what the fingerprint hashes) that differ between two indexes' metadata.
+    """The dotted keys of `layout.identity` (what the fingerprint hashes) that differ between two indexes' metadata.
 
     Each entry reads `key (stored -> now)`; lists (the module layout) are compared whole.
     """
-    if "identity" not in old or "identity" not in new:  # written by IndexWriter directly, or by an older gradian
+    try:
+        was, now = _flatten(identity(old)), _flatten(identity(new))
+    except KeyError:  # written by IndexWriter directly, without a spec or model
         keys = [k for k in ("fingerprint", "num_rows") if old.get(k) != new.get(k)]
         return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys] or ["fingerprint"]
-    was, now = _flatten(old["identity"]), _flatten(new["identity"])
     if old.get("num_rows") != new.get("num_rows"):
         was["num_rows"], now["num_rows"] = old.get("num_rows"), new.get("num_rows")
     keys = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
@@ -76,7 +78,7 @@ class IndexWriter:
     and `todo` excludes them. An index of the same fingerprint at
     another step (the same job, other weights) is replaced. Anything else at `path` is replaced
     only when `overwrite` is true: a different index or a foreign directory is never lost silently,
-    and the refusal names the differing keys of `meta["identity"]`. `rows_per_chunk` overrides the
+    and the refusal names the differing keys of `layout.identity(meta)`. `rows_per_chunk` overrides the
     ~4 MiB grads chunk (`layout.chunk_rows`): the unit a killed run loses at most.
     """
 
@@ -91,12 +93,14 @@ class IndexWriter:
         rows_per_chunk: Optional[int] = None,
     ) -> None:
         self.path, self.num_rows, self.width, self.storage_dtype = Location(path), num_rows, width, storage_dtype
+        # The spec's one record of the storage dtype is what this writer encodes with.
+        spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
         self.meta = {
             **meta,
             "format_version": FORMAT_VERSION,
             "num_rows": num_rows,
             "width": width,
-            "storage_dtype": storage_dtype,
+            "spec": spec,
             "complete": False,
         }
         # A chunk never outgrows the index: uncompressed, the padding of a partial chunk is written out.
@@ -295,7 +299,7 @@ class IndexWriter:
             norms[lo:hi] = module_norms(
                 whiten(decode(self.group["grads"][lo:hi], self.storage_dtype), factors), self.blocks
             ).numpy()
-        stats.attrs[WHITENED_DAMPING] = DEFAULT_DAMPING
+        stats.attrs[WHITENED_DAMPING] = WHITENED_NORMS_DAMPING
 
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
         """Flush every buffered row, store the row statistics (and, once every row is written, the
@@ -307,7 +311,7 @@ class IndexWriter:
                 complete = bool(self.done.all())
                 # Summed with the rows from before only when there were any: each gram is M·k⁴ float64 (47 MB for the MLP at k = 16).
                 stats = self.statistics + self._statistics_before() if self._done_before.any() else self.statistics
-                factors = stats.save(self.group, DEFAULT_DAMPING if complete and self.store_norms else None)
+                factors = stats.save(self.group, WHITENED_NORMS_DAMPING if complete and self.store_norms else None)
                 if factors is not None:
                     self._store_whitened_norms(torch.from_numpy(factors))
                 self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}

@@ -20,12 +20,12 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.index.layout import decode
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner
-from gradian_lightning.query.topk import Ranking, check_settings, index_blocks, prepare_queries, score_chunk
+from gradian_lightning.query.topk import Ranking, index_blocks, prepare_queries, score_chunk
+from gradian_lightning.specs import QuerySpec
 
 # Seconds to wait for a scheduler at query.dask_scheduler before saying it does not answer.
 CONNECT_TIMEOUT_S = 10
@@ -75,32 +75,27 @@ def _score_block(
     block: np.ndarray,
     queries: torch.Tensor,
     blocks: Sequence[Dict[str, Any]],
-    score: str,
-    normalize: str,
+    spec: QuerySpec,
     storage_dtype: str,
     transform: Optional[Preconditioner],
 ) -> np.ndarray:
     # Runs on a worker: one stored chunk [c, D] -> its scores [c, Q] (rows along axis 0, as grads).
-    return score_chunk(queries, decode(block, storage_dtype), blocks, score, normalize, transform).T.numpy()
+    return score_chunk(queries, decode(block, storage_dtype), blocks, spec, transform).T.numpy()
 
 
 def dask_topk(
     index: IndexReader,
     query_rows: torch.Tensor,
-    k: int,
-    score: str = "cosine",
-    bottom_k: int = 0,
-    normalize: str = "module",
+    spec: QuerySpec,
+    *,
     scheduler: Optional[str] = None,
     client: Optional[Any] = None,
-    precondition: str = DEFAULT_PRECONDITION,
-    damping: float = DEFAULT_DAMPING,
 ) -> tuple[Ranking, Optional[Ranking]]:
     """`streaming_topk`'s answer, computed on a Dask cluster: (top, bottom or None), `Ranking`s on the CPU.
 
     `query_rows` [Q, D] float32 made at the weights of `index`'s checkpoint (one checkpoint: its
-    newest, or the one `IndexReader.at` chose); `score`, `normalize`, `k`, `bottom_k`,
-    `precondition` and `damping` as in `streaming_topk`.
+    newest, or the one `IndexReader.at` chose); `spec` (specs.QuerySpec) as in `streaming_topk`,
+    whose `checkpoints` this engine leaves to the caller.
     Runs on `client` (a `distributed.Client`) when given, else on the scheduler at `scheduler`, else
     on a `distributed.LocalCluster` started for this call.
     Rows that are unwritten, non-finite or have no supervised token are never ranked.
@@ -110,8 +105,8 @@ def dask_topk(
     import dask.array as da
 
     check_workers_can_open(index)
-    check_settings(k, bottom_k, score, normalize, precondition)
-    queries, transform = prepare_queries(index, query_rows.cpu(), score, normalize, "cpu", precondition, damping)
+    k, bottom_k = spec.rows_wanted(len(index)), spec.bottom_k
+    queries, transform = prepare_queries(index, query_rows.cpu(), spec, "cpu")
     blocks = index_blocks(index)
     group = index.group
     grads = da.from_zarr(index.grads)  # blocks are the stored chunks: [c, D], one read each
@@ -120,8 +115,7 @@ def dask_topk(
         _score_block,
         queries,
         blocks,
-        score,
-        normalize,
+        spec,
         index.storage_dtype,
         transform,
         dtype=np.float32,

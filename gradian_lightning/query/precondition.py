@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 import zarr
 
-from gradian_lightning.config import DEFAULT_DAMPING
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.layout import has_member
 from gradian_lightning.index.reader import IndexReader
@@ -59,10 +58,7 @@ class Preconditioner:
 
 
 def _damping(damping: float) -> float:
-    if damping < 0:
-        raise ConfigError(
-            f"setting 'query.damping'={damping!r} is not allowed; use a number >= 0 (relative to the mean eigenvalue; {DEFAULT_DAMPING} is the default)"
-        )
+    # QuerySpec refused a negative damping; 0 is allowed, and means the floor.
     if damping == 0:
         warnings.warn(
             f"query.damping=0 would divide by directions the training rows never visited; using {DAMPING_FLOOR} × the mean eigenvalue",

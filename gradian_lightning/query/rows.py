@@ -17,54 +17,41 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gradian_lightning.config import module_patterns
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
-from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.loss import LOSS_KIND
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.weights import weights_digest
-from gradian_lightning.hub import normalized_name, pad_token_id
-from gradian_lightning.index.layout import decode, encode
+from gradian_lightning.hub import describe_model, normalized_name, pad_token_id
+from gradian_lightning.index.layout import decode, encode, storage_dtype_of, stored_spec
 from gradian_lightning.index.reader import IndexReader
-
-LOSS_KIND = "supervised_token_sum"  # what `supervised_token_loss` computes; the index records its own
-
-
-def _describe_model(model: nn.Module) -> Dict[str, Any]:
-    config = getattr(model, "config", None)
-    return {
-        "class": type(model).__name__,
-        "name_or_path": normalized_name(getattr(config, "_name_or_path", None) or None),
-        "vocab_size": getattr(config, "vocab_size", None),
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-    }
+from gradian_lightning.specs import IndexSpec
 
 
 def index_mismatches(
-    meta: Dict[str, Any], model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None
+    meta: Dict[str, Any], model: Optional[nn.Module] = None, spec: Optional[IndexSpec] = None
 ) -> List[str]:
     """What disagrees between an index's attributes and a query's model and settings (empty: all agree).
 
-    `settings` holds the query's own `module_filter`, `projection_dim`, `seed`, `storage_dtype`
-    (any subset); `model` is the model the query will run. Each entry is a short phrase.
+    `spec` is the query's own `grads.*` settings: its projection and storage dtype must be the
+    index's, and with `model`, its module filter must select the index's modules. `model` is the
+    model the query will run. Each entry is a short phrase.
     """
     found: List[str] = []
-    projection = meta.get("projection", {})
-    settings = settings or {}
-    for key, theirs in (
-        ("projection_dim", projection.get("dim")),
-        ("seed", projection.get("seed")),
-        ("storage_dtype", meta.get("storage_dtype")),
-    ):
-        if key in settings and settings[key] != theirs:
-            found.append(f"grads.{key} is {settings[key]!r} here but {theirs!r} in the index")
+    if spec is not None:
+        stored = stored_spec(meta)
+        for key in ("projection_dim", "seed", "storage_dtype"):
+            ours, theirs = getattr(spec, key), getattr(stored, key)
+            if ours != theirs:
+                found.append(f"grads.{key} is {ours!r} here but {theirs!r} in the index")
     if meta.get("loss", {}).get("kind", LOSS_KIND) != LOSS_KIND:
         found.append(f"the index's loss is {meta['loss']['kind']!r}, this gradian computes {LOSS_KIND!r}")
     if model is None:
         return found
-    ours, theirs = _describe_model(model), meta.get("model", {})
+    ours, theirs = describe_model(model), meta.get("model", {})
     kind = [
         f"{what} is {ours[key]!r} here but {theirs[key]!r} in the index"
         for key, what in (("class", "model class"), ("vocab_size", "vocabulary size"), ("dtype", "model dtype"))
@@ -88,15 +75,15 @@ def index_mismatches(
             found.append(
                 f"module {name!r} is {module.out_features}x{module.in_features} here but {shape[0]}x{shape[1]} in the index"
             )
-    if "module_filter" in settings and modules_found:
+    if spec is not None and modules_found:
         try:
-            chosen = list(select_modules(model, module_patterns(settings["module_filter"])))
+            chosen = list(select_modules(model, spec.module_filter))
         except ConfigError:
             chosen = []
         wanted = [b["name"] for b in meta.get("modules", [])]
         if chosen != wanted:
             found.append(
-                f"grads.module_filter={settings['module_filter']!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index"
+                f"grads.module_filter={list(spec.module_filter)!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index"
             )
     return found
 
@@ -136,10 +123,10 @@ def _other_weights(here: str, indexed: str, name: Optional[str], meta: Dict[str,
 
 
 def check_matches_index(
-    index: IndexReader, model: Optional[nn.Module] = None, settings: Optional[Dict[str, Any]] = None
+    index: IndexReader, model: Optional[nn.Module] = None, spec: Optional[IndexSpec] = None
 ) -> None:
     """Raise `IndexMismatchError`, one line naming each mismatch, when the query cannot match the index."""
-    found = index_mismatches(index.meta, model, settings)
+    found = index_mismatches(index.meta, model, spec)
     if found:
         raise IndexMismatchError(
             f"the query does not match the index at {str(index.path)!r}: {'; '.join(found)}; query with the model and grads.* settings the index was built with"
@@ -151,8 +138,8 @@ def index_projector(index: IndexReader, model: nn.Module) -> tuple[Dict[str, nn.
     check_matches_index(index, model)
     linears = dict(model.named_modules())
     modules = {b["name"]: linears[b["name"]] for b in index.meta["modules"]}
-    projection = index.meta["projection"]
-    projector = KroneckerProjector(modules, projection["dim"], projection["seed"])
+    spec = stored_spec(index.meta)
+    projector = KroneckerProjector(modules, spec.projection_dim, spec.seed)
     if projector.describe() != index.meta["modules"] or projector.width != int(index.meta["width"]):
         raise IndexMismatchError(
             f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {projector.width} vs {index.meta['width']}); rebuild the index with `gradian index`"
@@ -199,18 +186,13 @@ def query_gradients(
     )
     device = torch.device(device) if device is not None else next(model.parameters()).device
     capture = LinearCapture(modules)
-    storage = index.meta["storage_dtype"]
+    storage = storage_dtype_of(index.meta)
     out = []
     # The index is written in eval mode (Lightning's validation loop); restore the caller's mode after.
     training = {m: m.training for m in model.modules()}
-    devices = [device] if device.type != "cpu" else []
     try:
         model.eval()
-        with (
-            torch.random.fork_rng(devices=devices, device_type=device.type),
-            torch.inference_mode(False),
-            torch.enable_grad(),
-        ):
+        with gradient_mode(device):
             for batch in loader:
                 batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
                 rows_, _ = projected_gradients(

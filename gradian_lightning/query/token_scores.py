@@ -18,21 +18,21 @@ forward/backward of as many copies as the row has supervised tokens.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION
 from gradian_lightning.data import IGNORE_INDEX, JsonlDataset, collate
-from gradian_lightning.gradients.batch import projected_gradients
+from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.hub import pad_token_id
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.rows import index_projector, query_gradients
 from gradian_lightning.query.topk import index_blocks, prepare_queries
+from gradian_lightning.specs import QuerySpec
 
 
 def token_texts(tokenizer: Any, ids: List[int]) -> List[str]:
@@ -73,7 +73,7 @@ def token_rows(index: IndexReader, model: nn.Module, tokenizer: Any, row: Dict[s
     out = []
     try:
         model.eval()
-        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []), torch.enable_grad():
+        with gradient_mode(device):
             for batch in loader:
                 batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
                 out.append(projected_gradients(model, batch, capture, projector)[0].float().cpu())
@@ -90,13 +90,11 @@ def query_token_scores(
     tokenizer: Any,
     query: Dict[str, Any],
     rows: List[Dict[str, Any]],
-    score: str = "cosine",
-    normalize: str = "module",
-    precondition: str = DEFAULT_PRECONDITION,
-    damping: float = DEFAULT_DAMPING,
+    spec: Optional[QuerySpec] = None,
     query_row: Optional[torch.Tensor] = None,
 ) -> List[Dict[str, Any]]:
-    """Each supervised token's term of each training row's score against one query.
+    """Each supervised token's term of each training row's score against one query, scored as
+    `spec` says (default: `QuerySpec()`, the defaults of `gradian query`).
 
     `rows`: the training rows to explain (data rows, as in data.train). `query_row` [D]: the
     query's row if already made (`query_gradients`). Returns per training row {"tokens",
@@ -105,7 +103,9 @@ def query_token_scores(
     """
     if query_row is None:
         query_row = query_gradients(index, model, tokenizer, [query])[0]
-    queries, transform = prepare_queries(index, query_row[None], score, normalize, "cpu", precondition, damping)
+    spec = spec or QuerySpec()
+    queries, transform = prepare_queries(index, query_row[None], spec, "cpu")
+    score, normalize = spec.score, spec.normalize
     blocks = index_blocks(index)
     explained = []
     for row in rows:
@@ -130,3 +130,17 @@ def query_token_scores(
             {"tokens": parts["tokens"], "supervised": parts["supervised"], "terms": terms, "score": float(sum(values))}
         )
     return explained
+
+
+def summed_over_checkpoints(weighted: Sequence[Tuple[float, List[Dict[str, Any]]]]) -> List[Dict[str, Any]]:
+    """`query_token_scores` of the same rows at several checkpoints, each (weight, explained), as one:
+    every token's terms and the score weighted and summed, as the checkpoints' scores are
+    (index/checkpoints.py), so the summed terms still add up to the summed score."""
+    total: List[Dict[str, Any]] = []
+    for weight, explained in weighted:
+        if not total:
+            total = [{**e, "terms": [None] * len(e["terms"]), "score": 0.0} for e in explained]
+        for acc, e in zip(total, explained):
+            acc["terms"] = [None if t is None else (a or 0.0) + weight * t for a, t in zip(acc["terms"], e["terms"])]
+            acc["score"] += weight * e["score"]
+    return total

@@ -20,12 +20,12 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION, NORMALIZE, PRECONDITIONS, SCORES
-from gradian_lightning.errors import ConfigError, IndexMismatchError
+from gradian_lightning.errors import IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import decode, equal_block_size, module_norms
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve
+from gradian_lightning.specs import QuerySpec
 
 # Scores held before they are merged into the running top-k: [Q, 4096] float32 is 16 KiB a query.
 MERGE_COLUMNS = 4096
@@ -72,20 +72,6 @@ def _unit_modules(
     return rows
 
 
-def check_settings(k: int, bottom_k: int, score: str, normalize: str, precondition: str = DEFAULT_PRECONDITION) -> None:
-    """Raise `ConfigError`, one line naming the setting, for a scoring setting no engine accepts."""
-    if score not in SCORES:
-        raise ConfigError(f"setting 'query.score'={score!r} is not allowed; use {' or '.join(SCORES)}")
-    if normalize not in NORMALIZE:
-        raise ConfigError(f"setting 'query.normalize'={normalize!r} is not allowed; use {' or '.join(NORMALIZE)}")
-    if precondition not in PRECONDITIONS:
-        raise ConfigError(
-            f"setting 'query.precondition'={precondition!r} is not allowed; use {' or '.join(PRECONDITIONS)}"
-        )
-    if k < 1 or bottom_k < 0:
-        raise ConfigError(f"top_k={k}, bottom_k={bottom_k}: use top_k >= 1 and bottom_k >= 0")
-
-
 def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
     """The index's module blocks ({"offset", "size"} each); an index written without a module layout
     (by IndexWriter directly) is one block: the row."""
@@ -95,11 +81,8 @@ def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
 def prepare_queries(
     index: IndexReader,
     query_rows: torch.Tensor,
-    score: str,
-    normalize: str,
+    spec: QuerySpec,
     device: Optional[torch.device | str] = None,
-    precondition: str = DEFAULT_PRECONDITION,
-    damping: float = DEFAULT_DAMPING,
     whitened_norms: bool = False,
 ) -> Tuple[torch.Tensor, Optional[Preconditioner]]:
     """Query rows scaled once as `score_chunk` treats a chunk of `index`: preconditioned, then normalised.
@@ -117,34 +100,34 @@ def prepare_queries(
         )
     device = torch.device(device) if device is not None else query_rows.device
     queries = query_rows.detach().to(device=device, dtype=torch.float32)
-    transform = preconditioner(index, precondition, damping)
+    transform = preconditioner(index, spec.precondition, spec.damping)
     if transform is not None:
         transform = transform.to(device)
         queries = transform(queries)
-    if score == "cosine" and normalize == "module":
+    if spec.score == "cosine" and spec.normalize == "module":
         blocks = index_blocks(index)
         queries = _unit_modules(queries.clone(), blocks) / len(blocks)  # / M: scores are a mean of cosines
-    elif score == "cosine":
+    elif spec.score == "cosine":
         queries = _unit(queries)
     if whitened_norms:
         queries, transform = transform(queries), None
     return queries, transform
 
 
-def uses_whitened_norms(index: IndexReader, score: str, precondition: str, damping: float) -> bool:
+def uses_whitened_norms(index: IndexReader, spec: QuerySpec) -> bool:
     """Whether fisher scores of `index` can skip whitening its rows: always for inner products, and
-    for cosine when the index stores its rows' whitened norms for this `damping` (statistics.py)."""
-    if resolve(index, precondition) != "fisher":
+    for cosine when the index stores its rows' whitened norms for this damping (statistics.py)."""
+    if resolve(index, spec.precondition) != "fisher":
         return False
-    return score == "inner" or (index.whitened_damping is not None and float(index.whitened_damping) == float(damping))
+    stored = index.whitened_damping
+    return spec.score == "inner" or (stored is not None and float(stored) == float(spec.damping))
 
 
 def score_chunk(
     queries: torch.Tensor,
     rows: torch.Tensor,
     blocks: Sequence[Dict[str, Any]],
-    score: str,
-    normalize: str,
+    spec: QuerySpec,
     transform: Optional[Preconditioner] = None,
     norms: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -156,9 +139,10 @@ def score_chunk(
     `whitened_norms=True`), which spare cosine its norm pass; ignored under a preconditioner,
     whose rows have other norms. Both engines, local and Dask, score with this one function.
     """
+    score = spec.score
     if transform is not None:
         rows, norms = transform(rows), None
-    by_module = score == "cosine" and normalize == "module"
+    by_module = score == "cosine" and spec.normalize == "module"
     if by_module:
         rows = _unit_modules(rows, blocks, norms)
     scores = queries @ rows.T  # [Q, c] float32
@@ -177,32 +161,23 @@ def score_chunk(
 def streaming_topk(
     index: IndexReader,
     query_rows: torch.Tensor | Dict[int, torch.Tensor],
-    k: int,
-    score: str = "cosine",
-    bottom_k: int = 0,
+    spec: QuerySpec,
+    *,
     device: Optional[torch.device | str] = None,
-    normalize: str = "module",
-    precondition: str = DEFAULT_PRECONDITION,
-    damping: float = DEFAULT_DAMPING,
-    checkpoints: Any = "all",
 ) -> tuple[Ranking, Optional[Ranking]]:
-    """Top-k (and, when `bottom_k` > 0, bottom-k: most negative first) rows of `index` per query.
+    """The `spec.top_k` best rows of `index` per query (and, when `spec.bottom_k` > 0, the bottom-k:
+    most negative first). Returns (top, bottom or None).
 
     `query_rows` [Q, D] float32 made at the index's checkpoint (its newest), or a dict
-    {checkpoint step: [Q, D]} with the rows made at each checkpoint's weights. `score`: "cosine"
-    or "inner" (raw dot product). For cosine, `normalize` says what is scaled to unit norm:
-    "module" (default) each module's block of a row, so the score is the mean over modules of
-    the per-module cosines and a module with large gradients cannot outvote the rest
-    (benchmarks/RANKING.md: mean MRR 0.42 -> 0.55 over 12 planted-source sets); "row" the whole
-    row, as in LESS/TrackStar. `precondition` ("none", "diag", "fisher", with `damping` relative to
-    the mean eigenvalue; query/precondition.py) is applied to query and training rows first.
-    `checkpoints` ("all", "last" or a list of steps; only with a dict of rows) says which
-    checkpoints' scores are summed, weighted by their learning rates (index/checkpoints.py);
-    "all" is the default because summing checkpoints measured best (benchmarks/RANKING.md).
-    Each chunk is scored as one float32 matmul per checkpoint on `device` (default: the
-    queries' device). Returns (top, bottom or None).
+    {checkpoint step: [Q, D]} with the rows made at each checkpoint's weights; then
+    `spec.checkpoints` says whose scores are summed, weighted by their learning rates
+    (index/checkpoints.py). `spec` (specs.QuerySpec) says how rows score: cosine per module
+    (default; the mean over modules of the per-module cosines, so a module with large gradients
+    cannot outvote the rest: benchmarks/RANKING.md) or per row, or inner products, after the
+    preconditioner (query/precondition.py) is applied to query and training rows.
+    Each chunk is scored as one float32 matmul per checkpoint on `device` (default: the queries').
     """
-    check_settings(k, bottom_k, score, normalize, precondition)
+    k, bottom_k, checkpoints = spec.rows_wanted(len(index)), spec.bottom_k, spec.checkpoints
     if isinstance(query_rows, torch.Tensor):
         chosen = [(index, query_rows, 1.0)]
     else:
@@ -219,11 +194,11 @@ def streaming_topk(
     parts = []  # (reader, queries, transform, weight, the reader's method giving the chunk's norms or None)
     for reader, rows, weight in chosen:
         # Fisher without whitening every chunk where the index allows it (`uses_whitened_norms`).
-        whitened = uses_whitened_norms(reader, score, precondition, damping)
-        queries, transform = prepare_queries(reader, rows, score, normalize, device, precondition, damping, whitened)
+        whitened = uses_whitened_norms(reader, spec)
+        queries, transform = prepare_queries(reader, rows, spec, device, whitened)
         norms_of = (
             None
-            if score != "cosine" or transform is not None
+            if spec.score != "cosine" or transform is not None
             else reader.whitened_norms
             if whitened
             else reader.stored_norms
@@ -254,7 +229,7 @@ def streaming_topk(
             # afterwards: cheaper than copying the kept rows out of the chunk.
             rows = decode(chunk, reader.storage_dtype, out=buffer[: hi - lo]).to(device)
             part = score_chunk(
-                queries, rows, index_blocks(reader), score, normalize, transform, norms_of(lo, hi) if norms_of else None
+                queries, rows, index_blocks(reader), spec, transform, norms_of(lo, hi) if norms_of else None
             )
             scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
         kept = torch.arange(lo, hi)
@@ -308,24 +283,29 @@ class Index(IndexReader):
         self,
         query_rows: torch.Tensor | Dict[int, torch.Tensor],
         k: int,
-        score: str = "cosine",
-        bottom_k: int = 0,
+        score: str = QuerySpec.score,
+        bottom_k: int = QuerySpec.bottom_k,
         device: Optional[torch.device | str] = None,
-        normalize: str = "module",
-        precondition: str = DEFAULT_PRECONDITION,
-        damping: float = DEFAULT_DAMPING,
-        checkpoints: Any = "all",
+        normalize: str = QuerySpec.normalize,
+        precondition: str = QuerySpec.precondition,
+        damping: float = QuerySpec.damping,
+        checkpoints: Any = QuerySpec.checkpoints,
     ) -> Any:
         """The k best rows per query (`streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
 
-        `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`; `score` is
-        "cosine" or "inner"; `normalize` ("module" or "row") is what cosine scales to unit norm;
-        `precondition`, `damping` and `checkpoints` as in `streaming_topk`. The index is streamed
-        chunk by chunk.
+        `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`; the other
+        arguments are the `QuerySpec`'s (specs.py), `k` its top_k. The index is streamed chunk by chunk.
         """
-        top, bottom = streaming_topk(
-            self, query_rows, k, score, bottom_k, device, normalize, precondition, damping, checkpoints
+        spec = QuerySpec(
+            top_k=k,
+            bottom_k=bottom_k,
+            score=score,
+            normalize=normalize,
+            precondition=precondition,
+            damping=damping,
+            checkpoints=checkpoints,
         )
+        top, bottom = streaming_topk(self, query_rows, spec, device=device)
         return (top, bottom) if bottom_k else top
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -17,14 +17,15 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
+from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, normalized_name, pad_token_id
-from gradian_lightning.index.callback import GradientIndexer
 from gradian_lightning.index.location import Location
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
+from gradian_lightning.specs import IndexSpec
 
 
 class CausalLMModule(L.LightningModule):
@@ -85,53 +86,51 @@ def _trainer_accepts(quiet: Dict[str, Any], key: str, value: Any) -> bool:
 
 
 def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None) -> Optional[Dict[str, Any]]:
-    """Index `cfg.data.train` into `cfg.index.path`. Returns the summary of `GradientIndexer`.
+    """Index `cfg.data.train` into `cfg.index.path`. Returns what was written (`IndexSession.finish`'s
+    summary); with `model.checkpoints`, one summary of the whole index with each checkpoint's under
+    "checkpoints" and the whole index's bytes on disk.
 
     Under a multi-process strategy (trainer.strategy=ddp, num_nodes > 1) every process runs this and
     global rank 0 alone writes the index: it returns the summary, the other ranks None.
     `announce` (e.g. `print`) gets one line before the first batch: rows, modules, row width and
-    the predicted index size, as `gradian plan` computes them.
+    the predicted size of the whole index, as `gradian plan` computes them.
     """
     require(cfg, "model.name_or_path", "data.train")
     rows = read_jsonl(cfg.data.train)  # data mistakes fail before the model loads
-    Location(str(cfg.index.path))  # so does an s3:// or gs:// path whose filesystem is not installed
+    g, spec = cfg.grads, IndexSpec.from_config(cfg.grads)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    # The spec is stored once, under "spec"; the config keeps what is not in it.
+    config["grads"] = {k: v for k, v in config["grads"].items() if k not in spec.to_meta()}
     meta = {
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": config,
         "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
         "data": {
             "path": normalized_name(str(cfg.data.train)),  # resolved: a resume from another folder is the same job
             "sha256": file_sha256(cfg.data.train),
-            "max_seq_length": cfg.grads.max_seq_length,
+            "max_seq_length": g.max_seq_length,
         },
     }
-    g = cfg.grads
-    checkpoints = saved_models(
-        cfg.model.checkpoints or []
-    )  # steps and learning rates: a bad list fails before any model loads
+    # Steps and learning rates of model.checkpoints: a bad list fails before any model loads.
+    checkpoints = saved_models(cfg.model.checkpoints or [])
     indexer = GradientIndexer(
         cfg.index.path,
-        g.module_filter,
-        g.projection_dim,
-        g.storage_dtype,
-        g.seed,
+        **spec.to_meta(),
         overwrite=cfg.index.overwrite,
-        meta=meta,
+        meta=meta,  # an s3:// or gs:// index.path whose filesystem is not installed fails here too
         rows_per_chunk=cfg.index.rows_per_chunk,
-        loss_chunk_tokens=g.loss_chunk_tokens,
-        recompute=g.recompute,
         checkpoints=bool(checkpoints),
         verbose=False,  # the CLI prints the summary
     )
+    session = indexer.session
     trainer = make_trainer(cfg, [indexer])  # before the model loads: trainer.* mistakes fail fast
     # model.checkpoints: one index, one checkpoint per saved model, keyed by its step (saved_models.py).
     for run, saved in enumerate(checkpoints or [None]):
         model, tokenizer = load_saved_model(cfg.model, saved.entry) if saved else load_model_and_tokenizer(cfg.model)
         dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
-        if announce is not None and trainer.is_global_zero:  # before the launch too: ranks > 0 know their rank
+        if not run and announce is not None and trainer.is_global_zero:  # before the launch: ranks > 0 know their rank
+            layout = index_layout(model, spec, len(dataset))
             announce(
-                format_index_start(
-                    len(dataset), index_layout(model, g, len(dataset)), g.storage_dtype, str(cfg.index.path)
-                )
+                format_index_start(len(dataset), layout, spec.storage_dtype, str(cfg.index.path), len(checkpoints) or 1)
             )
         loader = DataLoader(
             dataset,
@@ -139,16 +138,27 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
             shuffle=False,
             collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)),
         )
-        indexer.step, indexer.lr, indexer.summary = (saved.step, saved.lr, None) if saved else (None, None, None)
+        if saved:
+            session.checkpoint_as(saved.step, saved.lr)
         if run:
             trainer = make_trainer(cfg, [indexer])
         trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
-        if not trainer.is_global_zero:
-            continue
-        if indexer.summary is None:
+        if trainer.is_global_zero and len(session.summaries) != run + 1:
             raise GradianError(
                 "indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)"
             )
     if not trainer.is_global_zero:
         return None
-    return indexer.summary
+    if not checkpoints:
+        return session.summaries[-1]
+    return whole_index_summary(session.summaries, str(cfg.index.path))
+
+
+def whole_index_summary(summaries: List[Dict[str, Any]], root: str) -> Dict[str, Any]:
+    """One summary of a checkpointed index: every checkpoint's (oldest first) and the whole index's bytes."""
+    return {
+        "path": root,
+        "complete": all(s["complete"] for s in summaries),
+        "checkpoints": summaries,
+        "bytes_on_disk": Location(root).bytes_on_disk(),
+    }

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradian_lightning.config import STORAGE_DTYPES, module_patterns, require
+from gradian_lightning.config import require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import select_modules
@@ -34,6 +34,7 @@ from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import recomputed_units
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 from gradian_lightning.index.statistics import statistics_bytes
+from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec
 
 STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 _UNITS = {
@@ -260,17 +261,15 @@ def largest_fitting_batch(
     return int(fits[-1] + 1) if len(fits) else 0
 
 
-def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any]:
+def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str, Any]:
     """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype
     (the rows, their per-module float32 norms and the row statistics, index/layout.py and
     index/statistics.py; the per-row flags and zarr's metadata are left out). `statistics_bytes`
     is the statistics' share: mostly fixed, whatever the row count.
 
-    `model` may live on the meta device; `grads` is the `grads.*` config section.
+    `model` may live on the meta device.
     """
-    projector = KroneckerProjector(
-        select_modules(model, module_patterns(grads.module_filter)), grads.projection_dim, grads.seed
-    )
+    projector = KroneckerProjector(select_modules(model, spec.module_filter), spec.projection_dim, spec.seed)
     blocks = projector.describe()
     stats = statistics_bytes(blocks, projector.width, rows)
     return {
@@ -284,10 +283,12 @@ def index_layout(model: torch.nn.Module, grads: Any, rows: int) -> Dict[str, Any
     }
 
 
-def format_index_start(rows: int, layout: Dict[str, Any], storage_dtype: str, path: str) -> str:
-    """The line `gradian index` prints before its first batch."""
-    size = human_bytes(layout["bytes_by_storage_dtype"][storage_dtype])
-    return f"gradian index: {rows} rows × {layout['modules']} modules, row width {layout['width']:,} ({storage_dtype}) -> {size} predicted for {path}"
+def format_index_start(rows: int, layout: Dict[str, Any], storage_dtype: str, path: str, checkpoints: int = 1) -> str:
+    """The line `gradian index` prints before its first batch: the predicted size of the whole
+    index, `checkpoints` times the rows of one (each checkpoint has its rows and statistics)."""
+    size = human_bytes(checkpoints * layout["bytes_by_storage_dtype"][storage_dtype])
+    each = f" × {checkpoints} checkpoints" if checkpoints > 1 else ""
+    return f"gradian index: {rows} rows{each} × {layout['modules']} modules, row width {layout['width']:,} ({storage_dtype}) -> {size} predicted for {path}"
 
 
 def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str, Any]:
@@ -299,7 +300,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     require(cfg, "model.name_or_path", "data.train")
     rows = read_jsonl(cfg.data.train)
     tokenizer, config = load_tokenizer_and_config(cfg.model)
-    g = cfg.grads
+    g, spec = cfg.grads, IndexSpec.from_config(cfg.grads)
     examples = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train)).examples
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
@@ -311,7 +312,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
             * torch.empty((), dtype=autocast).element_size()
         )
     act = activation_bytes_per_token(
-        config, dtype, cfg.model.trust_remote_code, autocast=autocast, recompute=g.recompute
+        config, dtype, cfg.model.trust_remote_code, autocast=autocast, recompute=spec.recompute
     )
     copies = logit_peak_copies(
         torch.empty((), dtype=autocast or dtype).element_size()
@@ -323,7 +324,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     b = min(g.batch_size, len(counts))
     batches = [slice(i, i + g.batch_size) for i in range(0, len(counts), g.batch_size)]
     in_order = max(int(counts[s].sum()) for s in batches)
-    chunk = g.loss_chunk_tokens
+    chunk = spec.loss_chunk_tokens
     worst = fp32_logit_bytes(int(desc[:b].sum()), vocab, chunk)
     typical_logits = fp32_logit_bytes(int(round(b * counts.mean())), vocab, chunk)
     source = "--device-memory"
@@ -381,7 +382,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
             desc, int(lengths.max()), vocab, weights, act, device_memory, SUGGESTED_LOSS_CHUNK_TOKENS, copies
         ),
         "suggested_loss_chunk_tokens": SUGGESTED_LOSS_CHUNK_TOKENS,
-        "index": index_layout(model, g, len(counts)),
+        "index": index_layout(model, spec, len(counts)),
     }
 
 

@@ -27,6 +27,7 @@ from gradian_lightning.query.precondition import resolve
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.topk import Index, Ranking, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
+from gradian_lightning.specs import IndexSpec, QuerySpec
 
 
 def results_for(
@@ -122,36 +123,25 @@ def add_token_terms(
     models: Dict[int, tuple],
     query_rows: Dict[int, Any],
     weights: Dict[int, float],
-    q: Any,
+    q: QuerySpec,
 ) -> None:
     """Give each result in `shown` its "tokens" and "terms": every supervised token's share of its
     score (None for the rest), summed over the scored checkpoints with their weights, so that the
     terms add up to the score (from the unrounded rows; query/token_scores.py)."""
     if not shown:
         return
-    from gradian_lightning.query.token_scores import query_token_scores
+    from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
 
     wanted = [train_rows[r["index"]] for r in shown]
-    total: Optional[List[Dict[str, Any]]] = None
-    for step, weight in weights.items():
-        model, tokenizer = models[step]
-        explained = query_token_scores(
-            readers[step],
-            model,
-            tokenizer,
-            query,
-            wanted,
-            q.score,
-            q.normalize,
-            q.precondition,
-            q.damping,
-            query_rows[step][q_index].cpu(),
-        )
-        if total is None:
-            total = [{**e, "terms": [None if t is None else weight * t for t in e["terms"]]} for e in explained]
-        else:
-            for acc, e in zip(total, explained):
-                acc["terms"] = [None if a is None else a + weight * t for a, t in zip(acc["terms"], e["terms"])]
+    total = summed_over_checkpoints(
+        [
+            (
+                weight,
+                query_token_scores(readers[step], *models[step], query, wanted, q, query_rows[step][q_index].cpu()),
+            )
+            for step, weight in weights.items()
+        ]
+    )
     for result, e in zip(shown, total):
         result["tokens"], result["terms"] = e["tokens"], e["terms"]
 
@@ -174,39 +164,25 @@ def run_query(cfg: Any) -> Dict[str, Any]:
             f"the index at {str(index.path)!r} is unfinished: {written} of {len(index)} rows are written, and only those are ranked; rerun gradian index with its settings to finish it",
             stacklevel=2,
         )
-    g = cfg.grads
-    settings = {
-        "module_filter": OmegaConf.to_object(g.module_filter)
-        if OmegaConf.is_config(g.module_filter)
-        else g.module_filter,
-        "projection_dim": g.projection_dim,
-        "seed": g.seed,
-        "storage_dtype": g.storage_dtype,
-    }
-    check_matches_index(
-        index, settings={k: v for k, v in settings.items() if k != "module_filter"}
-    )  # before the model loads
+    spec = IndexSpec.from_config(cfg.grads)
+    check_matches_index(index, spec=spec)  # before the model loads (the module filter needs the model)
     with contextlib.ExitStack() as stack:
         # The cluster first: a scheduler that does not answer fails before the model loads.
         client = None
         if cfg.query.engine == "dask":
             check_workers_can_open(index)
             client = stack.enter_context(dask_client(cfg.query.dask_scheduler))
-        return _answer(cfg, queries, index, settings, client)
+        return _answer(cfg, queries, index, spec, client)
 
 
 def _answer(
-    cfg: Any, queries: List[Dict[str, Any]], index: Index, settings: Dict[str, Any], client: Optional[Any]
+    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, client: Optional[Any]
 ) -> Dict[str, Any]:
-    g = cfg.grads
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
     fabric = L.Fabric(**fabric_kwargs, devices=1)
-    which = (
-        OmegaConf.to_object(cfg.query.checkpoints)
-        if OmegaConf.is_config(cfg.query.checkpoints)
-        else cfg.query.checkpoints
-    )
+    q = QuerySpec.from_config(cfg.query)
+    which = q.checkpoints
     models = _checkpoint_models(cfg, index, which)
     if client is not None and len(models) > 1:
         raise ConfigError(
@@ -218,39 +194,25 @@ def _answer(
         model, tokenizer = load_saved_model(cfg.model, name)
         if cfg.query.token_scores:
             kept[step] = (model, tokenizer)  # for the token terms, after the ranking
-        check_matches_index(reader, model, settings)
+        check_matches_index(reader, model, spec)
         model.to(fabric.device)
         rows[step] = query_gradients(
             reader,
             model,
             tokenizer,
             queries,
-            g.batch_size,
+            cfg.grads.batch_size,
             device=fabric.device,
             forward_context=fabric.autocast(),
             source=str(cfg.query.data),
-            loss_chunk_tokens=g.loss_chunk_tokens,
+            loss_chunk_tokens=spec.loss_chunk_tokens,
         )
-    q = cfg.query
-    top_k = len(index) if q.top_k == "all" else q.top_k
     if client is not None:
         (step,) = rows
-        top, bottom = dask_topk(
-            readers[step],
-            rows[step],
-            top_k,
-            q.score,
-            q.bottom_k,
-            q.normalize,
-            client=client,
-            precondition=q.precondition,
-            damping=q.damping,
-        )
+        top, bottom = dask_topk(readers[step], rows[step], q, client=client)
     else:
-        top, bottom = streaming_topk(
-            index, rows, top_k, q.score, q.bottom_k, fabric.device, q.normalize, q.precondition, q.damping, which
-        )
-    query_ids = [str(q.get("id", i)) for i, q in enumerate(queries)]
+        top, bottom = streaming_topk(index, rows, q, device=fabric.device)
+    query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     data = index.meta.get("data") or {}
     # Snippets only from the very file that was indexed: an edited file no longer lines up.

@@ -29,8 +29,7 @@ from gradian_lightning.config import validate as check_settings
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError, MissingExtraError
 from gradian_lightning.extras import require_extra
-from gradian_lightning.hub import file_sha256, load_tokenizer_and_config, normalized_name
-from gradian_lightning.index.callback import find_causal_lm
+from gradian_lightning.hub import file_sha256, find_causal_lm, load_tokenizer_and_config, normalized_name
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.query import score_matrix
 from gradian_lightning.saved_models import load_saved_model

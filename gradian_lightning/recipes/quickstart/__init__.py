@@ -19,16 +19,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
-from gradian_lightning.index.callback import GradientIndexer
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.query.rows import query_gradients
-from gradian_lightning.query.token_scores import query_token_scores
+from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
 from gradian_lightning.query.topk import open_index
 from gradian_lightning.recipes.query import results_for, write_results
 from gradian_lightning.recipes.report import report_data, scoring_text, write_report
+from gradian_lightning.specs import QuerySpec
 from gradian_lightning.validation.retrain import FineTune
 
 HERE = Path(__file__).parent
@@ -97,27 +98,15 @@ def write_quickstart_report(
     }
 
     def explain(q, wanted, positions):
-        total = None
+        weighted = []
         for entry, weight in chosen:
             step = int(entry["step"])
             model.load_state_dict(weights[step])
-            terms = query_token_scores(
-                index.at(step),
-                model,
-                tokenizer,
-                queries[q],
-                wanted,
-                "cosine",
-                "module",
-                "none",
-                query_row=rows[step][q],
+            spec = QuerySpec(precondition="none")
+            weighted.append(
+                (weight, query_token_scores(index.at(step), model, tokenizer, queries[q], wanted, spec, rows[step][q]))
             )
-            if total is None:
-                total = [{**t, "terms": [None if x is None else weight * x for x in t["terms"]]} for t in terms]
-            else:
-                for acc, t in zip(total, terms):
-                    acc["terms"] = [None if a is None else a + weight * x for a, x in zip(acc["terms"], t["terms"])]
-        return total
+        return summed_over_checkpoints(weighted)
 
     note = f"Token terms (first {token_rows} rows) are summed over the {len(chosen)} checkpoints, as the score is, and add up to it."
     text = scoring_text(index, "cosine", "module", "none", 0.0, len(chosen))

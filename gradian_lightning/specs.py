@@ -1,0 +1,176 @@
+"""The two settings objects: `IndexSpec` (how rows are made) and `QuerySpec` (how they are scored).
+
+Each is a frozen dataclass that checks itself once, when it is made: the `grads.*` and `query.*`
+config sections (config.py), `GradientIndexer`'s arguments and `Index.topk`'s all become one of
+these, so every setting has one check and one default. An index stores its `IndexSpec` once, under
+"spec" in its metadata (index/layout.py); the fingerprint, query rows and `gradian plan` read it
+from there or from the config, never from a second copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from gradian_lightning.errors import ConfigError
+
+STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+# What the indexing backward recomputes instead of keeping (gradients/recompute.py); mlp measured
+# 0.58x the plain step's peak RSS at 0.67-0.74x its time on SmolLM2 (benchmarks/RESULTS.md §1).
+RECOMPUTE = ("mlp", "layers", "none")
+DEFAULT_MODULE_FILTER = ("gate_proj", "up_proj", "down_proj")  # the MLP: measured best (benchmarks/RANKING.md)
+SCORES = ("cosine", "inner")
+NORMALIZE = ("module", "row")
+# auto: fisher where the index kept the k²×k² second moments and counted at least 4·k² rows, diag
+# below that (query/precondition.py; benchmarks/RANKING.md, issue 21: LDS and planted sources).
+PRECONDITIONS = ("auto", "none", "diag", "fisher")
+DEFAULT_DAMPING = 1.0
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or NumPy), and not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """Raise `ConfigError` in the one format every setting's refusal has."""
+    if not ok:
+        raise ConfigError(f"setting '{key}'={value!r} is not allowed; use {allowed}")
+
+
+def plain(value: Any) -> Any:
+    """An omegaconf node (ListConfig, DictConfig) as plain Python data; anything else as it is."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+
+
+def module_patterns(value: Any) -> Tuple[str, ...]:
+    """`grads.module_filter` (one pattern or a list of them) as a tuple of non-empty, stripped patterns."""
+    value = plain(value)
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items or not all(isinstance(p, str) and p.strip() for p in items):
+        raise ConfigError(
+            f"setting 'grads.module_filter'={value!r}: must be a module name pattern or a list of them, e.g. down_proj or [q_proj, v_proj]"
+        )
+    return tuple(p.strip() for p in items)
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """How an index's rows are made: the `grads.*` settings that `GradientIndexer` and `query_gradients` share.
+
+    module_filter: name patterns of the Linear modules captured (`capture.select_modules`).
+    projection_dim: k, rows per Kronecker factor (row width k² per module); None = exact gradients.
+    storage_dtype: float32, float16 or bfloat16, the dtype of the stored rows.
+    seed: the projection's seed.
+    recompute: what the backward runs again instead of keeping (gradients/recompute.py); memory only.
+    loss_chunk_tokens: supervised tokens the output head and fp32 loss take at a time; memory only.
+
+    The last two change peak memory and time, never the rows, so they are not part of the index's
+    identity (`rows_identity`): an index resumes under other values of them.
+    """
+
+    module_filter: Tuple[str, ...] = DEFAULT_MODULE_FILTER
+    projection_dim: Optional[int] = 16
+    storage_dtype: str = "float16"
+    seed: int = 0
+    recompute: str = "mlp"
+    loss_chunk_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "module_filter", module_patterns(self.module_filter))
+        dim, chunk = self.projection_dim, self.loss_chunk_tokens
+        check(
+            dim is None or (is_int(dim) and dim >= 1),
+            "grads.projection_dim",
+            dim,
+            "an integer >= 1, or null for exact gradients",
+        )
+        check(
+            self.storage_dtype in STORAGE_DTYPES, "grads.storage_dtype", self.storage_dtype, " or ".join(STORAGE_DTYPES)
+        )
+        check(is_int(self.seed), "grads.seed", self.seed, "an integer")
+        check(self.recompute in RECOMPUTE, "grads.recompute", self.recompute, " or ".join(RECOMPUTE))
+        check(
+            chunk is None or (is_int(chunk) and chunk >= 1),
+            "grads.loss_chunk_tokens",
+            chunk,
+            "an integer >= 1, or null for the whole batch at once",
+        )
+
+    @classmethod
+    def from_config(cls, grads: Any) -> "IndexSpec":
+        """The spec of a `grads.*` config section (its other keys, batch_size and max_seq_length, are the data's)."""
+        return cls(**{f.name: plain(grads[f.name]) for f in fields(cls)})
+
+    def to_meta(self) -> Dict[str, Any]:
+        """Plain JSON data, as stored under "spec" in an index's metadata."""
+        return {**asdict(self), "module_filter": list(self.module_filter)}
+
+    def rows_identity(self) -> Dict[str, Any]:
+        """What of the spec the row values depend on, in the form the fingerprint hashes (layout.identity)."""
+        return {
+            "projection": {
+                "kind": "kronecker_gaussian" if self.projection_dim else "exact",
+                "dim": self.projection_dim,
+                "seed": self.seed,
+            },
+            "storage_dtype": self.storage_dtype,
+        }
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    """How query rows score an index's rows: the `query.*` settings that both engines (local, Dask) take.
+
+    top_k: rows kept per query, best first; "all" scores every row (what `gradian validate` needs).
+    bottom_k: the most negative rows kept per query ("opponents"); 0 = none.
+    score: "cosine" or "inner" (dot product, after the preconditioner).
+    normalize: what cosine scales to unit norm: "module" (each module's block) or "row".
+    precondition: "auto", "none", "diag" or "fisher" (query/precondition.py).
+    damping: added to the preconditioner, relative to the mean eigenvalue of each module's second moment.
+    checkpoints: "all", "last" or a list of steps: whose scores are summed (index/checkpoints.py).
+    """
+
+    top_k: Any = 10
+    bottom_k: int = 0
+    score: str = "cosine"
+    normalize: str = "module"
+    precondition: str = "auto"
+    damping: float = DEFAULT_DAMPING
+    checkpoints: Any = "all"
+
+    def __post_init__(self) -> None:
+        steps = plain(self.checkpoints)
+        object.__setattr__(self, "checkpoints", tuple(steps) if isinstance(steps, list) else steps)
+        k = self.top_k
+        check(k == "all" or (is_int(k) and k >= 1), "query.top_k", k, 'an integer >= 1, or "all" for every row')
+        check(is_int(self.bottom_k) and self.bottom_k >= 0, "query.bottom_k", self.bottom_k, "an integer >= 0")
+        check(self.score in SCORES, "query.score", self.score, " or ".join(SCORES))
+        check(self.normalize in NORMALIZE, "query.normalize", self.normalize, " or ".join(NORMALIZE))
+        check(self.precondition in PRECONDITIONS, "query.precondition", self.precondition, " or ".join(PRECONDITIONS))
+        check(
+            isinstance(self.damping, (int, float)) and not isinstance(self.damping, bool) and self.damping >= 0,
+            "query.damping",
+            self.damping,
+            f"a number >= 0 (relative to the mean eigenvalue; {DEFAULT_DAMPING} is the default)",
+        )
+        steps = self.checkpoints
+        check(
+            steps in ("last", "all") or (isinstance(steps, tuple) and steps and all(is_int(s) for s in steps)),
+            "query.checkpoints",
+            plain(steps) if not isinstance(steps, tuple) else list(steps),
+            "last, all or a list of checkpoint steps",
+        )
+
+    @classmethod
+    def from_config(cls, query: Any) -> "QuerySpec":
+        """The spec of a `query.*` config section (its other keys say where results go and which engine runs)."""
+        return cls(**{f.name: plain(query[f.name]) for f in fields(cls)})
+
+    def rows_wanted(self, num_rows: int) -> int:
+        """How many rows the top list holds for an index of `num_rows`: top_k, or all of them."""
+        return num_rows if self.top_k == "all" else int(self.top_k)
