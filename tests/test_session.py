@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from test_callback import trainer
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, IndexSession, IndexSpec, open_index, query_gradients
@@ -29,17 +30,7 @@ class Validated(L.LightningModule):
 
 
 def validate(tmp_path, indexer, model, dataset, fail_at=None):
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        default_root_dir=tmp_path,
-        callbacks=[indexer],
-    )
-    trainer.validate(Validated(model, fail_at), dataloaders=loader(dataset), verbose=False)
+    trainer(tmp_path, [indexer]).validate(Validated(model, fail_at), dataloaders=loader(dataset), verbose=False)
 
 
 def loader(dataset):
