@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, IndexSession, IndexSpec, open_index, query_gradients
 from gradian_lightning.data import JsonlDataset, collate
+from gradian_lightning.errors import GradianError
 from gradian_lightning.gradients.batch import projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
@@ -71,9 +72,18 @@ def test_a_session_alone_writes_what_the_callback_writes(tmp_path, model, datase
     assert not {"projection", "indexer", "identity", "storage_dtype"} & set(alone.meta)
 
 
-def test_begin_before_bind_is_one_line(tmp_path):
-    with pytest.raises(Exception, match=r"^IndexSession.begin before bind\(model\)"):
-        IndexSession(SPEC, tmp_path / "ix").begin(3)
+def test_calls_out_of_order_are_one_line(tmp_path, model, dataset):
+    session = IndexSession(SPEC, tmp_path / "ix")
+    with pytest.raises(GradianError, match=r"^IndexSession.begin before bind\(model\)"):
+        session.begin(3)
+    session.bind(model)
+    batch = next(iter(loader(dataset)))
+    with pytest.raises(GradianError, match=r"^IndexSession.compute outside begin\(\) ... finish\(\)"):
+        session.add(batch)
+    session.begin(len(dataset))
+    session.finish()
+    with pytest.raises(GradianError, match=r"^IndexSession.finish outside begin\(\) ... finish\(\)"):
+        session.finish()
 
 
 def test_an_exception_keeps_the_rows_computed_before_it_and_the_rerun_resumes(tmp_path, model, dataset):

@@ -184,6 +184,8 @@ class IndexSession:
             )
         index = batch["index"]
         device = batch["input_ids"].device
+        if self.todo is None:
+            raise _not_open("compute")
         wanted = torch.as_tensor(self.todo[index.cpu().numpy()], device=index.device)
         size = batch["input_ids"].shape[0]
         rows = torch.zeros(size, self.projector.width, dtype=torch.float32, device=device)
@@ -222,6 +224,8 @@ class IndexSession:
 
     def write(self, computed: BatchRows) -> None:
         """Hand the wanted rows of `computed` (one rank's, or every rank's gathered) to the writer."""
+        if self._writer is None:
+            raise _not_open("write")
         keep = computed.wanted.cpu().numpy()
         self._writer.write(
             computed.index.cpu().numpy()[keep],
@@ -251,6 +255,8 @@ class IndexSession:
         """Write what is buffered, the row statistics and the flags; returns what was written
         (`summarize`, plus the rows computed this run and the step), also kept in `summaries`."""
         writer, self._writer = self._writer, None
+        if writer is None:
+            raise _not_open("finish")
         complete = self._close(writer)
         summary = {**summarize(writer, complete), "computed_rows": self._rows_done, "step": writer.meta["global_step"]}
         self.summaries.append(summary)
@@ -298,6 +304,12 @@ class IndexSession:
             "lower grads.batch_size first (the peak is linear in it; it costs only wall time), then grads.max_seq_length (it can cut completions); "
             f"{third}grads.storage_dtype, grads.module_filter and grads.projection_dim shrink the index on disk, not this tensor (docs/faq/out-of-memory.md)"
         )
+
+
+def _not_open(call: str) -> GradianError:
+    return GradianError(
+        f"IndexSession.{call} outside begin() ... finish(): call begin(num_rows) first (on every rank but 0: expect(todo))"
+    )
 
 
 def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints: Any, meta: Any) -> None:
