@@ -25,7 +25,7 @@ SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
 # auto: fisher where the index kept the k²×k² second moments and counted at least 4·k² rows, diag
 # below that (query/precondition.py; benchmarks/RANKING.md, issue 21: LDS and planted sources).
-PRECONDITIONS = ("auto", "none", "diag", "fisher")
+PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
 DEFAULT_DAMPING = 1.0
 
 

@@ -245,3 +245,25 @@ def test_fisher_without_the_cached_eigendecomposition_still_equals_dense_float64
         rtol=2e-4,
         atol=1e-4 * np.abs(inner).max(),
     )
+
+
+def test_ekfac_is_fisher_on_a_kronecker_second_moment_and_keeps_the_rows_variances_otherwise():
+    from gradian_lightning.index.statistics import kronecker_whitening_factor, whitening_factor
+
+    rng = np.random.default_rng(0)
+    k = 4
+    a, b = rng.normal(size=(k, k)), rng.normal(size=(k, k))
+    kron = np.kron(a @ a.T + 0.1 * np.eye(k), b @ b.T + 0.1 * np.eye(k))  # S_out ⊗ A_in: EK-FAC is exact
+    w, v = np.linalg.eigh(kron)
+    np.testing.assert_allclose(kronecker_whitening_factor(w, v, 0.5), whitening_factor(w, v, 0.5), rtol=1e-4, atol=1e-5)
+    # Any F from rows: the factor is Q diag((λ + damping·mean)^-½) Qᵀ, Q the Kronecker product of the
+    # eigenvectors of the row blocks' k×k second moments, λ the rows' mean square along each column of Q.
+    rows = rng.normal(size=(7, k, k)) * rng.uniform(0.1, 3, size=(1, k, k))
+    flat = rows.reshape(7, -1)
+    w, v = np.linalg.eigh(flat.T @ flat / 7)
+    _, q_out = np.linalg.eigh(np.einsum("nab,ncb->ac", rows, rows))
+    _, q_in = np.linalg.eigh(np.einsum("nab,nac->bc", rows, rows))
+    q = np.kron(q_out, q_in)
+    variances = ((flat @ q) ** 2).mean(0)
+    want = q @ np.diag((variances + 0.5 * variances.mean()) ** -0.5) @ q.T
+    np.testing.assert_allclose(kronecker_whitening_factor(w, v, 0.5), want, rtol=1e-4, atol=1e-5)

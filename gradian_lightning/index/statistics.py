@@ -85,12 +85,34 @@ def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -
     )  # V diag((w + λ)^-½) Vᵀ
 
 
-def whitening_factors(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
-    """`whitening_factor` of every module: [M, s, s] float32 from eigvals [M, s], eigvecs [M, s, s]."""
+def kronecker_whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
+    """(F̃ + λI)^-½ [s, s] float32 of one module, F̃ = F kept only on the diagonal of a Kronecker
+    eigenbasis Q = Q_out ⊗ Q_in (EK-FAC, in the projected space): Q_out and Q_in are the eigenvectors
+    of F's two partial traces (the k×k second moments of a row block's rows and of its columns,
+    a [k_out, k_in] block being stored row-major), and F̃'s eigenvalues are F's own variances along
+    Q (eigenvalue correction). k² numbers per module instead of fisher's k⁴, so few rows estimate them
+    well; λ = `damping` × their mean, which is F's mean eigenvalue."""
+    size = len(eigvals)
+    k = int(round(size**0.5))
+    level = eigvals.mean()
+    if level <= 0 or k * k != size:
+        return np.eye(size, dtype=np.float32)
+    f = ((eigvecs * eigvals) @ eigvecs.T).reshape(k, k, k, k)  # F[(o, i), (o', i')]
+    _, q_out = np.linalg.eigh(np.einsum("aibi->ab", f))
+    _, q_in = np.linalg.eigh(np.einsum("oaob->ab", f))
+    q = np.kron(q_out, q_in)
+    corrected = ((eigvecs.T @ q) ** 2 * eigvals[:, None]).sum(0)  # qᵀ F q for every column q of Q
+    return ((q * (1.0 / np.sqrt(corrected + damping * level))) @ q.T).astype(np.float32)
+
+
+def whitening_factors(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float, kronecker: bool = False) -> np.ndarray:
+    """`whitening_factor` (`kronecker`: `kronecker_whitening_factor`) of every module: [M, s, s]
+    float32 from eigvals [M, s], eigvecs [M, s, s]."""
     factors = np.empty(eigvecs.shape, dtype=np.float32)
     # One module at a time: the temporaries are one [s, s] block, not another [M, s, s] array.
+    factor = kronecker_whitening_factor if kronecker else whitening_factor
     for m, (w, v) in enumerate(zip(eigvals, eigvecs)):
-        factors[m] = whitening_factor(w, v, damping)
+        factors[m] = factor(w, v, damping)
     return factors
 
 

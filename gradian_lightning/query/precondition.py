@@ -4,6 +4,9 @@ training rows alike before they are scored.
     none    rows as stored
     diag    each coordinate j divided by sqrt(m_j + λ), m_j its mean square over the training rows
     fisher  each module block R_m multiplied by (F_m + λI)^-½, F_m = mean of R_mᵀR_m (k²×k²)
+    ekfac   the same with F_m kept only on the diagonal of the Kronecker basis of its two partial
+            traces (eigenvalue-corrected Kronecker factors, in the projected space): k² numbers a
+            module instead of k⁴, so few rows estimate it (statistics.kronecker_whitening_factor)
     auto    fisher where the index keeps F (equal blocks of k² <= 1024) from at least 4 k² counted
             rows, else diag (issue 21's LDS sets and issue 10's grid, benchmarks/RANKING.md);
             `resolve` names the one it picks
@@ -124,12 +127,13 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
         return Preconditioner(scale=scale.float())
     if not cached and stats.gram is None:
         raise ConfigError(
-            f"setting 'query.precondition'=fisher needs module blocks of equal size at most {GRAM_MAX_SIZE} (grads.projection_dim <= 32) but the index at {str(index.path)!r} has none; use query.precondition=diag"
+            f"setting 'query.precondition'={precondition} needs module blocks of equal size at most {GRAM_MAX_SIZE} (grads.projection_dim <= 32) but the index at {str(index.path)!r} has none; use query.precondition=diag"
         )
     w, v = (group["eigvals"][:], group["eigvecs"][:]) if cached else stats.eigen()
-    if stats.count < w.shape[1]:
+    if stats.count < w.shape[1] and precondition == "fisher":
         warnings.warn(
             f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions",
             stacklevel=2,
         )
-    return Preconditioner(factors=torch.from_numpy(whitening_factors(w, v, damping)))
+    factors = whitening_factors(w, v, damping, kronecker=precondition == "ekfac")
+    return Preconditioner(factors=torch.from_numpy(factors))
