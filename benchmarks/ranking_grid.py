@@ -5,6 +5,7 @@ exact unprojected per-module cosine as the ceiling.
     PYTHONPATH=. python benchmarks/ranking_grid.py --kinds fact newword     # -> benchmarks/ranking_results/grid.<kind>.json
     PYTHONPATH=. python benchmarks/ranking_grid.py --report                 # the tables of RANKING.md
     PYTHONPATH=. python benchmarks/ranking_grid.py --plot                   # benchmarks/results/ranking_grid.png
+    PYTHONPATH=. python benchmarks/ranking_grid.py --pretrained fact mlp 16  # one pretrained cell at today's defaults
 
 Per kind, two models: SmolLM2-135M-Instruct as built ("base", the pretrained case) and the same after
 the fine-tune of ranking_quality.py ("ft": 1 epoch of AdamW, lr 2e-4, batch 8, tied embedding frozen;
@@ -58,11 +59,13 @@ from benchmarks.ranking_quality import (
     ranking_metrics,
 )
 from gradian_lightning import open_index
+from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query.precondition import resolve
 
 KINDS = ("fact", "newword", "reversal", "format", "backdoor", "distractor")
 DIMS = (16, 32, 64)
@@ -101,10 +104,11 @@ def adam_scales(model, optimizer, modules: Dict[str, torch.nn.Linear]) -> Dict[s
 class Captured:
     """One model's projected rows per (variant, k) [N, 211·k²] and exact per-module inner products."""
 
-    def __init__(self, modules: Dict[str, torch.nn.Linear]) -> None:
+    def __init__(self, modules: Dict[str, torch.nn.Linear], dims: Sequence[int] = DIMS) -> None:
         self.modules = modules
         self.names = list(modules)
-        self.projectors = {k: KroneckerProjector(modules, k, 0) for k in DIMS}
+        self.dims = tuple(dims)
+        self.projectors = {k: KroneckerProjector(modules, k, 0) for k in self.dims}
 
     def run(
         self, model, tokenizer, rows: List[Dict], queries: Optional["Captured"] = None, scales: Optional[Dict] = None
@@ -113,7 +117,7 @@ class Captured:
         ceiling; as the training pass, reduce them against the query pass's tokens on the fly."""
         capture = LinearCapture(self.modules)
         variants = {"plain": None, **({"adam": scales} if scales else {})}
-        projected = {(v, k): [] for v in variants for k in DIMS}
+        projected = {(v, k): [] for v in variants for k in self.dims}
         self.tokens = {name: [] for name in self.names}
         inner, selfs = [], []
         with torch.enable_grad():
@@ -128,7 +132,7 @@ class Captured:
                     if sc:
                         xs = {m: x.float() * sc[m][1] if m in sc else x for m, x in xs.items()}
                         gs = {m: g.float() * sc[m][0] if m in sc else g for m, g in gs.items()}
-                    for k in DIMS:
+                    for k in self.dims:
                         projected[(v, k)].append(self.projectors[k].project(xs, gs, n, token_rows))
                 mask = batch["attention_mask"].float()
                 block_inner, block_self = [], []
@@ -174,8 +178,16 @@ def exact_scores(train: Captured, queries: Captured, picked: Sequence[int]) -> t
     return (train.inner[:, :, m] / norm).mean(2)
 
 
-def index_scores(tmp: Path, train_rows: torch.Tensor, query_rows: torch.Tensor, blocks: List[Dict], settings) -> Dict:
-    """Scores [Q, N] per (precondition, damping) through IndexWriter + Index.topk."""
+def index_scores(
+    tmp: Path,
+    train_rows: torch.Tensor,
+    query_rows: torch.Tensor,
+    blocks: List[Dict],
+    settings,
+    resolved: Optional[Dict[str, str]] = None,
+) -> Dict:
+    """Scores [Q, N] per (precondition, damping) through IndexWriter + Index.topk; `resolved`, when
+    given, gets what each precondition (e.g. "auto") resolves to for this index."""
     path = Path(tempfile.mkdtemp(dir=tmp))
     n = len(train_rows)
     meta = {"fingerprint": "bench", "global_step": 0, "modules": blocks}
@@ -193,6 +205,8 @@ def index_scores(tmp: Path, train_rows: torch.Tensor, query_rows: torch.Tensor, 
     queries = query_rows.half().float()
     out = {}
     for precondition, damping in settings:
+        if resolved is not None:
+            resolved[precondition] = resolve(index, precondition)
         top = index.topk(queries, k=n, precondition=precondition, damping=damping)
         s = torch.empty(len(queries), n, dtype=torch.float64)
         s.scatter_(1, top.indices, top.scores.double())
@@ -301,6 +315,66 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
         "rows": len(train),
         "queries": len(query_rows),
         "machine": f"torch {torch.__version__}, threads {torch.get_num_threads()}, 2-core CPU",
+    }
+
+
+def pretrained_cell(kind: str, filter_name: str, k: int, log: Callable[[str], None]) -> Dict:
+    """One (filter, k) cell of the pretrained case alone (no fine-tune, no other filter or k): the
+    product's current defaults (`auto` as it resolves now, damping DEFAULT_DAMPING) beside the
+    explicit preconditioners and the exact ceiling, with recall@1/@10 and MRR. Same capture, index
+    and scoring as run_kind; only the fine-tuned model and the other filters and dims are left out."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train = read_jsonl(DATA / f"{kind}.train.jsonl")
+    query_rows = read_jsonl(DATA / f"{kind}.queries.jsonl")
+    position = {r["id"]: i for i, r in enumerate(train)}
+    sources = [[position[s] for s in q["sources"]] for q in query_rows]
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2, use_fast=True)
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    every = select_modules(model, ["*"])
+    keep = module_filters(list(every))[filter_name]
+    modules = {n: m for n, m in every.items() if keep(n)}
+    q = Captured(modules, dims=(k,)).run(model, tokenizer, query_rows)
+    t = Captured(modules, dims=(k,)).run(model, tokenizer, train, queries=q)
+    log(f"  {kind}/base/{filter_name}: rows captured ({time.perf_counter() - start:.0f} s)")
+    picked = list(range(len(modules)))
+    cols, blocks = filter_columns(list(modules), picked, k)
+    settings = [(DEFAULT_PRECONDITION, DEFAULT_DAMPING), ("none", 0.0), ("diag", 1.0), ("fisher", 1.0)]
+    resolved: Dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        found = index_scores(
+            Path(tmp),
+            t.projected[("plain", k)][:, cols],
+            q.projected[("plain", k)][:, cols],
+            blocks,
+            settings,
+            resolved,
+        )
+    found[("exact", 0.0)] = exact_scores(t, q, picked)
+    records = [
+        {
+            "precondition": p,
+            "resolves_to": resolved.get(p, p),
+            "damping": d,
+            "dim": "exact" if p == "exact" else k,
+            **ranking_metrics(first_source_ranks(s, sources)),
+        }
+        for (p, d), s in found.items()
+    ]
+    return {
+        "kind": kind,
+        "case": "pretrained",
+        "filter": filter_name,
+        "modules": len(modules),
+        "dim": k,
+        "score": "cosine, normalize=module",
+        "storage_dtype": "float16",
+        "rows": len(train),
+        "queries": len(query_rows),
+        "seconds": round(time.perf_counter() - start),
+        "machine": f"torch {torch.__version__}, threads {torch.get_num_threads()}, 2-core CPU",
+        "records": records,
     }
 
 
@@ -508,7 +582,27 @@ def main() -> None:
         metavar=("FILTER", "K", "PRECONDITION", "DAMPING"),
         help="one recipe against the exact ceiling, per kind",
     )
+    parser.add_argument(
+        "--pretrained",
+        nargs=3,
+        metavar=("KIND", "FILTER", "K"),
+        help="only the pretrained case's (FILTER, K) cell, at the current defaults and beside them"
+        " -> ranking_results/pretrained.KIND.FILTER.K.json",
+    )
     args = parser.parse_args()
+    if args.pretrained:
+        kind, f, k = args.pretrained
+        result = pretrained_cell(kind, f, int(k), log=lambda m: print(m, flush=True))
+        (RESULTS / f"pretrained.{kind}.{f}.{k}.json").write_text(json.dumps(result, indent=1))
+        print(
+            "| precondition | resolves to | damping | k | recall@1 | recall@10 | MRR |\n|---|---|---|---|---|---|---|"
+        )
+        for r in result["records"]:
+            print(
+                f"| {r['precondition']} | {r['resolves_to']} | {r['damping']} | {r['dim']} | {r['r@1']:.3f} | {r['r@10']:.3f} | {r['mrr']:.3f} |"
+            )
+        print(f"({result['rows']} rows, {result['queries']} queries, {result['seconds']} s)")
+        return
     if args.against_exact:
         f, k, p, d = args.against_exact
         print(against_exact(load_results(), (f, k, p, float(d))))
