@@ -5,6 +5,7 @@ retrains the 24 half-subsets (kept in RUNS/<kind>-runs and shared by every case 
 
     PYTHONPATH=. python benchmarks/lds_grid.py --kinds fact newword      # -> benchmarks/lds_results/<kind>.json
     PYTHONPATH=. python benchmarks/lds_grid.py --report                  # the tables of RANKING.md
+    PYTHONPATH=. python benchmarks/lds_grid.py --kinds fact newword --dims 16 32   # -> lds_results/dims.<kind>.json
 
 Cases, per kind:
   pretrained     the index of SmolLM2 as built (what the 24 subsets are fine-tuned from);
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +36,8 @@ from gradian_lightning.data import read_jsonl
 from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.hub import load_model_and_tokenizer
 from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.query.precondition import resolve
+from gradian_lightning.query.topk import Index
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.query import score_matrix
 from gradian_lightning.recipes.validate import run_validate
@@ -177,6 +181,73 @@ def run_kind(kind: str, runs: Path) -> Dict:
     return result
 
 
+def projection_dims(kind: str, runs: Path, dims: Sequence[int]) -> Dict:
+    """The pretrained case only, at the default scorer, for each grads.projection_dim in `dims`
+    (each a fresh index in a temporary folder) and exact unprojected per-module cosine: LDS over the
+    retrained subsets already in RUNS/<kind>-runs (none are trained here) and planted-source MRR."""
+    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
+    ids = [r["id"] for r in train]
+    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    out = runs / f"{kind}-runs"
+    subsets = np.asarray(json.loads((out / "plan.json").read_text())["subsets"], dtype=bool)
+    outputs = -np.asarray([json.loads(p.read_text())["query_loss"] for p in sorted((out / "subsets").glob("*.json"))])
+    table: Dict[str, Dict] = {}
+
+    def row(scores: np.ndarray, started: float, **more) -> Dict:
+        per_query = linear_datamodeling_score(scores, subsets, outputs)
+        lds, error = mean_and_standard_error(per_query)
+        return {
+            "lds": lds,
+            "lds_se": error,
+            "mrr": mrr(scores, sources),
+            "seconds": time.perf_counter() - started,
+            **more,
+            "per_query": per_query.tolist(),
+        }
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in dims:
+            started = time.perf_counter()
+            overrides = settings(kind, runs, **{"index.path": f"{tmp}/k{k}", "grads.projection_dim": str(k)})
+            run_index(load_config(None, overrides))
+            scores = score_matrix(load_config(None, overrides + ["query.top_k=all"]), len(queries), len(train))
+            index = Index(f"{tmp}/k{k}")
+            table[f"k = {k}"] = row(
+                scores, started, resolves_to=resolve(index, "auto"), row_bytes=int(index.meta["width"]) * 2
+            )
+            print(kind, f"k = {k}", table[f"k = {k}"], flush=True)
+    started = time.perf_counter()
+    table["exact module cosine"] = row(exact(SMOLLM2, train, queries)["exact module cosine"], started)
+    print(kind, "exact", table["exact module cosine"], flush=True)
+    result = {"kind": kind, "case": "pretrained", "rows": len(train), "queries": len(queries), "table": table}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"dims.{kind}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def dims_report(kinds: Sequence[str]) -> str:
+    """The table, with each row's LDS minus the first row's (the smallest k) and minus the last
+    row's (exact), paired by query: the mean of the per-query differences ± its standard error."""
+    lines = [
+        "| kind | scorer | LDS ± se | minus the first row (paired) | minus exact (paired) | MRR | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind in kinds:
+        table = json.loads((RESULTS / f"dims.{kind}.json").read_text())["table"]
+        rows = list(table.values())
+        first, last = np.asarray(rows[0]["per_query"]), np.asarray(rows[-1]["per_query"])
+        for name, r in table.items():
+            label = f"{name} (defaults; auto = {r['resolves_to']})" if "resolves_to" in r else name
+            here = np.asarray(r["per_query"])
+            paired = [mean_and_standard_error(here - other) for other in (first, last)]
+            lines.append(
+                f"| {kind} | {label} | {r['lds']:+.3f} ± {r['lds_se']:.3f} | "
+                + " | ".join(f"{d:+.3f} ± {e:.3f}" for d, e in paired)
+                + f" | {r['mrr']:.3f} | {r['seconds']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def report() -> str:
     lines = []
     results = [json.loads((RESULTS / f"{k}.json").read_text()) for k in KINDS if (RESULTS / f"{k}.json").is_file()]
@@ -204,7 +275,20 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=list(KINDS))
     parser.add_argument("--runs", default="/tmp/gradian-lds", help="where indexes, fine-tunes and retrained subsets go")
     parser.add_argument("--report", action="store_true")
+    parser.add_argument(
+        "--dims",
+        nargs="*",
+        type=int,
+        help="only the pretrained case at the default scorer, per grads.projection_dim, against exact"
+        " (the retrained subsets must already be in RUNS/<kind>-runs)",
+    )
     args = parser.parse_args()
+    if args.dims:
+        torch.set_num_threads(2)
+        for kind in args.kinds:
+            projection_dims(kind, Path(args.runs), args.dims)
+        print(dims_report(args.kinds))
+        return
     if args.report:
         print(report())
         return
