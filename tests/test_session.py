@@ -84,6 +84,8 @@ def test_calls_out_of_order_are_one_line(tmp_path, model, dataset):
     session.finish()
     with pytest.raises(GradianError, match=r"^IndexSession.finish outside begin\(\) ... finish\(\)"):
         session.finish()
+    with pytest.raises(GradianError, match=r"^IndexSession.compute outside begin\(\) ... finish\(\)"):
+        session.add(batch)
 
 
 def test_an_exception_keeps_the_rows_computed_before_it_and_the_rerun_resumes(tmp_path, model, dataset):

@@ -254,7 +254,7 @@ class IndexSession:
     def finish(self) -> Dict[str, Any]:
         """Write what is buffered, the row statistics and the flags; returns what was written
         (`summarize`, plus the rows computed this run and the step), also kept in `summaries`."""
-        writer, self._writer = self._writer, None
+        writer, self._writer, self.todo = self._writer, None, None
         if writer is None:
             raise _not_open("finish")
         complete = self._close(writer)
@@ -266,7 +266,7 @@ class IndexSession:
         """After an exception: keep every row computed so far (a rerun resumes from them) and let
         go of the index. Does nothing when no run is open; never raises over the exception that
         brought the caller here, but warns when the rows could not be kept."""
-        writer, self._writer = self._writer, None
+        writer, self._writer, self.todo = self._writer, None, None
         if writer is None:
             return
         try:
