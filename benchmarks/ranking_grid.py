@@ -59,13 +59,13 @@ from benchmarks.ranking_quality import (
     ranking_metrics,
 )
 from gradian_lightning import open_index
-from gradian_lightning.config import DEFAULT_DAMPING, DEFAULT_PRECONDITION
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.gradients.capture import LinearCapture, select_modules
 from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.precondition import resolve
+from gradian_lightning.specs import QuerySpec
 
 KINDS = ("fact", "newword", "reversal", "format", "backdoor", "distractor")
 DIMS = (16, 32, 64)
@@ -320,7 +320,7 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
 
 def pretrained_cell(kind: str, filter_name: str, k: int, log: Callable[[str], None]) -> Dict:
     """One (filter, k) cell of the pretrained case alone (no fine-tune, no other filter or k): the
-    product's current defaults (`auto` as it resolves now, damping DEFAULT_DAMPING) beside the
+    product's current defaults (`auto` as it resolves now, damping QuerySpec's) beside the
     explicit preconditioners and the exact ceiling, with recall@1/@10 and MRR. Same capture, index
     and scoring as run_kind; only the fine-tuned model and the other filters and dims are left out."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -340,7 +340,13 @@ def pretrained_cell(kind: str, filter_name: str, k: int, log: Callable[[str], No
     log(f"  {kind}/base/{filter_name}: rows captured ({time.perf_counter() - start:.0f} s)")
     picked = list(range(len(modules)))
     cols, blocks = filter_columns(list(modules), picked, k)
-    settings = [(DEFAULT_PRECONDITION, DEFAULT_DAMPING), ("none", 0.0), ("diag", 1.0), ("fisher", 1.0)]
+    settings = [
+        (QuerySpec.precondition, QuerySpec.damping),
+        ("none", 0.0),
+        ("diag", 1.0),
+        ("fisher", 1.0),
+        ("ekfac", 1.0),
+    ]
     resolved: Dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         found = index_scores(
