@@ -74,7 +74,8 @@ class QueryConfig:
     )  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
     engine: str = "local"  # "local": stream chunks in this process; "dask": score on a Dask cluster
     dask_scheduler: Optional[str] = None  # engine dask: scheduler address; null starts a LocalCluster
-    precondition: str = QuerySpec.precondition  # auto | none | diag | fisher, from the statistics stored in the index
+    # auto | none | diag | fisher | ekfac, from the statistics stored in the index
+    precondition: str = QuerySpec.precondition
     damping: float = QuerySpec.damping  # relative to the mean eigenvalue of each module's second moment
     # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
     checkpoints: Any = QuerySpec.checkpoints

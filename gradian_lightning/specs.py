@@ -23,8 +23,8 @@ RECOMPUTE = ("mlp", "layers", "none")
 DEFAULT_MODULE_FILTER = ("gate_proj", "up_proj", "down_proj")  # the MLP: measured best (benchmarks/RANKING.md)
 SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
-# auto: fisher where the index kept the k²×k² second moments and counted at least 4·k² rows, diag
-# below that (query/precondition.py; benchmarks/RANKING.md, issue 21: LDS and planted sources).
+# auto: fisher where the index kept the k²×k² second moments and counted at least 4·k² rows, ekfac
+# below that, diag where it kept none (query/precondition.py; benchmarks/RANKING.md, issue 21).
 PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
 DEFAULT_DAMPING = 1.0
 
@@ -130,7 +130,7 @@ class QuerySpec:
     bottom_k: the most negative rows kept per query ("opponents"); 0 = none.
     score: "cosine" or "inner" (dot product, after the preconditioner).
     normalize: what cosine scales to unit norm: "module" (each module's block) or "row".
-    precondition: "auto", "none", "diag" or "fisher" (query/precondition.py).
+    precondition: "auto", "none", "diag", "fisher" or "ekfac" (query/precondition.py).
     damping: added to the preconditioner, relative to the mean eigenvalue of each module's second moment.
     checkpoints: "all", "last" or a list of steps: whose scores are summed (index/checkpoints.py).
     """

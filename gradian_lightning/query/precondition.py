@@ -8,8 +8,8 @@ training rows alike before they are scored.
             traces (eigenvalue-corrected Kronecker factors, in the projected space): k² numbers a
             module instead of k⁴, so few rows estimate it (statistics.kronecker_whitening_factor)
     auto    fisher where the index keeps F (equal blocks of k² <= 1024) from at least 4 k² counted
-            rows, else diag (issue 21's LDS sets and issue 10's grid, benchmarks/RANKING.md);
-            `resolve` names the one it picks
+            rows, ekfac where it keeps F from fewer, diag where it keeps no F (issue 21's LDS sets
+            and issue 10's grid, benchmarks/RANKING.md); `resolve` names the one it picks
 
 λ = `damping` × the mean eigenvalue of that module's second moment (for diag: the mean of its
 m_j). Whitening both sides makes the inner product qᵀ(F + λI)⁻¹r, and per-module cosine then
@@ -72,11 +72,13 @@ def _damping(damping: float) -> float:
 
 
 # Counted rows per dimension of a module's k²×k² second moment before `auto` trusts fisher with it.
-# With fewer, most of F's directions are set by the damping, and fisher had the worst LDS of the
-# preconditioners on the LDS sets (worst cell 0.22 against diag's 0.27, 80 rows at k² = 256:
-# benchmarks/RANKING.md, issue 21); diag had the best mean there.
+# With fewer, most of F's directions are set by the damping: fisher had the worst LDS of the
+# preconditioners on the LDS sets (worst cell 0.22, 80 rows at k² = 256). Below that, ekfac, which
+# needs k² numbers a module where fisher needs k⁴: by the worse of LDS and planted-source MRR it
+# led diag on 4 of the 6 LDS cells and on every planted-source kind, and tied its worst LDS cell
+# (0.272 against 0.273) (benchmarks/RANKING.md, issue 21: EK-FAC in the projected space).
 FISHER_ROWS_PER_DIMENSION = 4
-AUTO_FEW_ROWS = "diag"
+AUTO_FEW_ROWS = "ekfac"
 
 
 def counted_rows(index: IndexReader) -> Optional[int]:

@@ -1,0 +1,130 @@
+"""Issue 21: eigenvalue-corrected Kronecker preconditioning in the projected space (query.precondition=ekfac)
+against diag and fisher, by LDS and planted-source MRR on the LDS sets, with the indexes and retrained
+subsets lds_grid.py left in RUNS (nothing is retrained or re-indexed here).
+
+    PYTHONPATH=. python benchmarks/lds_ekfac.py --runs /work/lds            # -> benchmarks/lds_results/ekfac.<kind>.json
+    PYTHONPATH=. python benchmarks/lds_ekfac.py --report                     # the table of RANKING.md
+
+ekfac keeps F (a module's k²×k² second moment of rows) only on the diagonal of the Kronecker basis
+of its two partial traces (index/statistics.py `kronecker_whitening_factor`): k² variances instead of
+fisher's k⁴ moments, all from the statistics the index already stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+
+from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr, settings
+from gradian_lightning.config import load_config
+from gradian_lightning.data import read_jsonl
+from gradian_lightning.recipes.query import score_matrix
+from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error
+
+SCORERS: List[Dict] = [
+    {"precondition": "diag"},
+    {"precondition": "fisher"},
+    *({"precondition": "ekfac", "damping": d} for d in (0.1, 1.0, 10.0)),
+]
+
+
+def retrained(runs: Path, kind: str):
+    """(subsets bool [M, N], outputs -loss [M, Q]) of the kind's retrained half-subsets."""
+    out = runs / f"{kind}-runs"
+    subsets = np.asarray(json.loads((out / "plan.json").read_text())["subsets"], dtype=bool)
+    losses = [json.loads(p.read_text())["query_loss"] for p in sorted((out / "subsets").glob("*.json"))]
+    return subsets, -np.asarray(losses)
+
+
+def run_kind(kind: str, runs: Path, only: List[str]) -> Dict:
+    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
+    ids = [r["id"] for r in train]
+    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    subsets, outputs = retrained(runs, kind)
+    ft = f"[{SMOLLM2},{runs / f'{kind}-ft'}]"
+    cases = {
+        "pretrained": {"index.path": str(runs / f"{kind}-pre")},
+        "fine-tuned, base+ft": {"index.path": str(runs / f"{kind}-ft-index"), "model.checkpoints": ft},
+        "fine-tuned, ft": {
+            "index.path": str(runs / f"{kind}-ft-index"),
+            "model.checkpoints": ft,
+            "query.checkpoints": "last",
+        },
+    }
+    path = RESULTS / f"ekfac.{kind}.json"
+    result: Dict = json.loads(path.read_text()) if path.is_file() else {"kind": kind, "cases": {}}
+    result.update(rows=len(train), queries=len(queries))
+    for case, more in cases.items():
+        if only and case not in only:
+            continue
+        table = {}
+        for scorer in SCORERS:
+            started = time.perf_counter()
+            overrides = settings(kind, runs, **more) + [f"query.{k}={v}" for k, v in scorer.items()]
+            scores = score_matrix(load_config(None, overrides + ["query.top_k=all"]), len(queries), len(train))
+            per_query = linear_datamodeling_score(scores, subsets, outputs)
+            lds, error = mean_and_standard_error(per_query)
+            name = json.dumps(scorer, sort_keys=True)
+            table[name] = {"lds": lds, "lds_se": error, "mrr": mrr(scores, sources), "per_query": list(per_query)}
+            print(kind, case, name, table[name], f"{time.perf_counter() - started:.0f} s", flush=True)
+        result["cases"][case] = table
+        RESULTS.mkdir(exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))  # after each case: the others' results are kept
+    return result
+
+
+def paired(a: Dict, b: Dict) -> str:
+    """mean ± standard error over queries of a's per-query LDS minus b's ("" without both)."""
+    if "per_query" not in a or "per_query" not in b:
+        return ""
+    mean, error = mean_and_standard_error(np.asarray(a["per_query"]) - np.asarray(b["per_query"]))
+    return f"{mean:+.3f} ± {error:.3f}"
+
+
+def report() -> str:
+    """The table: each scorer's LDS, MRR, and its paired difference from diag (the default at these
+    row counts) and, for the pretrained case, from exact per-module cosine (lds_grid.py --dims)."""
+    lines = [
+        "| set, case | scorer | LDS ± se | minus diag (paired) | minus exact (paired) | MRR | worse of the two |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind in KINDS:
+        path = RESULTS / f"ekfac.{kind}.json"
+        if not path.is_file():
+            continue
+        dims = RESULTS / f"dims.{kind}.json"
+        exact = json.loads(dims.read_text())["table"]["exact module cosine"] if dims.is_file() else {}
+        for case, table in json.loads(path.read_text())["cases"].items():
+            diag = table['{"precondition": "diag"}']
+            for name, row in table.items():
+                scorer = ", ".join(f"{k} {v}" for k, v in json.loads(name).items())
+                worse = min(row["lds"], row["mrr"])
+                against_exact = paired(row, exact) if case == "pretrained" else ""
+                lines.append(
+                    f"| {kind}, {case} | {scorer} | {row['lds']:+.3f} ± {row['lds_se']:.3f} | {paired(row, diag)} "
+                    f"| {against_exact} | {row['mrr']:.3f} | {worse:+.3f} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/gradian-lds"), help="lds_grid.py's RUNS folder")
+    parser.add_argument("--cases", nargs="*", default=[], help="only these cases (default: all three)")
+    parser.add_argument("--report", action="store_true", help="print the table from the saved results")
+    args = parser.parse_args()
+    if args.report:
+        print(report())
+        return
+    for kind in args.kinds:
+        run_kind(kind, args.runs, args.cases)
+
+
+if __name__ == "__main__":
+    main()
