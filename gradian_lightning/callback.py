@@ -78,7 +78,14 @@ class GradientIndexer(L.Callback):
         every_n_val_runs: int = 1,
         recompute: str = IndexSpec.recompute,
     ) -> None:
-        spec = IndexSpec(module_filter, projection_dim, storage_dtype, seed, recompute, loss_chunk_tokens)
+        spec = IndexSpec(
+            module_filter=module_filter,
+            projection_dim=projection_dim,
+            storage_dtype=storage_dtype,
+            seed=seed,
+            recompute=recompute,
+            loss_chunk_tokens=loss_chunk_tokens,
+        )
         options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta}
         self.session = IndexSession(spec, path, overwrite=overwrite, **options)
         for name, value, ok, allowed in (
