@@ -23,6 +23,8 @@ import numpy as np
 from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr, settings
 from gradian_lightning.config import load_config
 from gradian_lightning.data import read_jsonl
+from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.query import score_matrix
 from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error
 
@@ -41,29 +43,33 @@ def retrained(runs: Path, kind: str):
     return subsets, -np.asarray(losses)
 
 
-def run_kind(kind: str, runs: Path, only: List[str]) -> Dict:
+def run_kind(kind: str, runs: Path, only: List[str], dim: int = 16, scorers: List[Dict] = SCORERS) -> Dict:
     train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
     ids = [r["id"] for r in train]
     sources = [[ids.index(s) for s in q["sources"]] for q in queries]
     subsets, outputs = retrained(runs, kind)
     ft = f"[{SMOLLM2},{runs / f'{kind}-ft'}]"
+    # k = 16: lds_grid.py's indexes; any other k: indexes of their own under RUNS, built here once.
+    at = "" if dim == 16 else f"k{dim}-"
+    pre, tuned = {"index.path": str(runs / f"{at}{kind}-pre")}, {"index.path": str(runs / f"{at}{kind}-ft-index")}
     cases = {
-        "pretrained": {"index.path": str(runs / f"{kind}-pre")},
-        "fine-tuned, base+ft": {"index.path": str(runs / f"{kind}-ft-index"), "model.checkpoints": ft},
-        "fine-tuned, ft": {
-            "index.path": str(runs / f"{kind}-ft-index"),
-            "model.checkpoints": ft,
-            "query.checkpoints": "last",
-        },
+        "pretrained": pre,
+        "fine-tuned, base+ft": {**tuned, "model.checkpoints": ft},
+        "fine-tuned, ft": {**tuned, "model.checkpoints": ft, "query.checkpoints": "last"},
     }
-    path = RESULTS / f"ekfac.{kind}.json"
+    if dim != 16:
+        for more in cases.values():
+            more["grads.projection_dim"] = str(dim)
+            if stored_meta(more["index.path"]) is None:
+                run_index(load_config(None, settings(kind, runs, **more)))
+    path = RESULTS / f"ekfac.{at}{kind}.json"
     result: Dict = json.loads(path.read_text()) if path.is_file() else {"kind": kind, "cases": {}}
     result.update(rows=len(train), queries=len(queries))
     for case, more in cases.items():
         if only and case not in only:
             continue
         table = {}
-        for scorer in SCORERS:
+        for scorer in scorers:
             started = time.perf_counter()
             overrides = settings(kind, runs, **more) + [f"query.{k}={v}" for k, v in scorer.items()]
             scores = score_matrix(load_config(None, overrides + ["query.top_k=all"]), len(queries), len(train))
@@ -117,13 +123,16 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
     parser.add_argument("--runs", type=Path, default=Path("/tmp/gradian-lds"), help="lds_grid.py's RUNS folder")
     parser.add_argument("--cases", nargs="*", default=[], help="only these cases (default: all three)")
+    parser.add_argument("--dim", type=int, default=16, help="grads.projection_dim (not 16: indexes built under RUNS)")
+    parser.add_argument("--only-default-and-diag", action="store_true", help="score ekfac 1.0 and diag alone")
     parser.add_argument("--report", action="store_true", help="print the table from the saved results")
     args = parser.parse_args()
     if args.report:
         print(report())
         return
     for kind in args.kinds:
-        run_kind(kind, args.runs, args.cases)
+        chosen = [{"precondition": "diag"}, {"precondition": "ekfac", "damping": 1.0}]
+        run_kind(kind, args.runs, args.cases, args.dim, chosen if args.only_default_and_diag else SCORERS)
 
 
 if __name__ == "__main__":
