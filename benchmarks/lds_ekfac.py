@@ -20,7 +20,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr, settings
+from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr, retrained, settings
 from gradian_lightning.config import load_config
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.index.layout import stored_meta
@@ -33,14 +33,6 @@ SCORERS: List[Dict] = [
     {"precondition": "fisher"},
     *({"precondition": "ekfac", "damping": d} for d in (0.1, 1.0, 10.0)),
 ]
-
-
-def retrained(runs: Path, kind: str):
-    """(subsets bool [M, N], outputs -loss [M, Q]) of the kind's retrained half-subsets."""
-    out = runs / f"{kind}-runs"
-    subsets = np.asarray(json.loads((out / "plan.json").read_text())["subsets"], dtype=bool)
-    losses = [json.loads(p.read_text())["query_loss"] for p in sorted((out / "subsets").glob("*.json"))]
-    return subsets, -np.asarray(losses)
 
 
 def run_kind(kind: str, runs: Path, only: List[str], dim: int = 16, scorers: List[Dict] = SCORERS) -> Dict:

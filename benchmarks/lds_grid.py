@@ -43,6 +43,7 @@ from gradian_lightning.recipes.query import score_matrix
 from gradian_lightning.recipes.validate import run_validate
 from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error
 from gradian_lightning.validation.retrain import FineTune, fine_tune
+from gradian_lightning.validation.subsets import SubsetRuns
 
 HERE = Path(__file__).resolve().parent
 DATA, RESULTS = HERE / "lds_data", HERE / "lds_results"
@@ -78,6 +79,12 @@ def mrr(scores: np.ndarray, sources: List[List[int]]) -> float:
     """Mean reciprocal rank of each query's first planted source among all rows."""
     ranks = [1 + int((scores[q] > max(scores[q, s] for s in src)).sum()) for q, src in enumerate(sources)]
     return float(np.mean([1.0 / r for r in ranks]))
+
+
+def retrained(runs: Path, kind: str):
+    """(subsets bool [M, N], outputs -loss [M, Q]) of the kind's retrained half-subsets."""
+    done = SubsetRuns.existing(runs / f"{kind}-runs")
+    return done.subsets, -done.losses().mean(axis=0)  # averaged over repeats, as gradian validate does
 
 
 def finetuned(kind: str, runs: Path) -> Path:
@@ -153,14 +160,7 @@ def run_kind(kind: str, runs: Path) -> Dict:
             scoring = load_config(None, overrides + [f"query.{k}={v}" for k, v in scorer.items()] + ["query.top_k=all"])
             scores = score_matrix(scoring, len(queries), len(train))
             cells[json.dumps(scorer, sort_keys=True)] = scores
-        subsets = np.asarray(json.loads((Path(cfg.validate.output) / "plan.json").read_text())["subsets"], dtype=bool)
-        losses = np.asarray(
-            [
-                json.loads(p.read_text())["query_loss"]
-                for p in sorted((Path(cfg.validate.output) / "subsets").glob("*.json"))
-            ]
-        )
-        outputs = -losses  # [M, Q] (one repeat)
+        subsets, outputs = retrained(runs, kind)
         if case == "pretrained":
             cells.update(exact(SMOLLM2, train, queries))
         elif case == "fine-tuned, ft":
@@ -188,9 +188,7 @@ def projection_dims(kind: str, runs: Path, dims: Sequence[int]) -> Dict:
     train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
     ids = [r["id"] for r in train]
     sources = [[ids.index(s) for s in q["sources"]] for q in queries]
-    out = runs / f"{kind}-runs"
-    subsets = np.asarray(json.loads((out / "plan.json").read_text())["subsets"], dtype=bool)
-    outputs = -np.asarray([json.loads(p.read_text())["query_loss"] for p in sorted((out / "subsets").glob("*.json"))])
+    subsets, outputs = retrained(runs, kind)
     table: Dict[str, Dict] = {}
 
     def row(scores: np.ndarray, started: float, **more) -> Dict:

@@ -29,8 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.lds_ekfac import retrained
-from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr
+from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr, retrained
 from gradian_lightning import IndexSession, IndexSpec, open_index
 from gradian_lightning.config import load_config
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl

@@ -8,8 +8,9 @@ import pytest
 from conftest import ROWS, write_jsonl
 
 from gradian_lightning.cli import main
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.validation.lds import linear_datamodeling_score, spearman
-from gradian_lightning.validation.subsets import random_subsets
+from gradian_lightning.validation.subsets import SubsetRuns, random_subsets
 
 
 def reference_spearman(a, b):
@@ -170,3 +171,19 @@ def test_validate_settings_and_a_missing_index_are_one_line(tmp_path, capsys):
         == 2
     )
     assert "holds no Gradian index; gradian validate scores with the index of data.train" in capsys.readouterr().err
+
+
+def test_a_finished_run_reads_back_with_the_subsets_and_losses_it_saved(tmp_path):
+    plan = {"num_subsets": 3, "alpha": 0.5, "seed": 7, "repeats": 2}
+    runs = SubsetRuns(tmp_path / "run", plan, num_rows=10)
+    saved = np.arange(3 * 2 * 4, dtype=np.float64).reshape(2, 3, 4) / 7  # [repeats, M, Q]
+    for m in range(3):
+        for r in range(2):
+            runs.save(m, r, seed=m + 1000 * r, query_loss=saved[r, m], seconds=0.0)
+    again = SubsetRuns.existing(tmp_path / "run")
+    assert np.array_equal(again.subsets, random_subsets(10, 3, 0.5, 7)) and again.repeats == 2
+    np.testing.assert_array_equal(again.losses(), saved)
+    with pytest.raises(
+        ConfigError, match=r"holds no validation run \(no plan.json\); run gradian validate with it first$"
+    ):
+        SubsetRuns.existing(tmp_path / "nothing")

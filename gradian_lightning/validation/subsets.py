@@ -58,6 +58,17 @@ class SubsetRuns:
             write_json_atomically(stored, {"plan": plan, "subsets": self.subsets.astype(int).tolist()})
         self.repeats = int(plan["repeats"])
 
+    @classmethod
+    def existing(cls, output: str | Path) -> "SubsetRuns":
+        """The run already in `output`, with the settings it was drawn with (for reading it back)."""
+        stored = Path(output) / "plan.json"
+        if not stored.is_file():
+            raise ConfigError(
+                f"setting 'validate.output'={str(output)!r} holds no validation run (no plan.json); run gradian validate with it first"
+            )
+        saved = json.loads(stored.read_text())
+        return cls(output, saved["plan"], len(saved["subsets"][0]))
+
     def _path(self, m: int, r: int) -> Path:
         return self.output / "subsets" / f"subset-{m:03d}-repeat-{r}.json"
 
