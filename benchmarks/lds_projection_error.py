@@ -132,11 +132,9 @@ def report() -> str:
         "| set, case | per-module cosine | LDS per seed | mean | minus exact, per seed |",
         "|---|---|---|---|---|",
     ]
-    for kind in KINDS:
-        path = RESULTS / f"projection_error.{kind}.json"
-        if not path.is_file():
-            continue
-        result = json.loads(path.read_text())
+    paths = {kind: RESULTS / f"projection_error.{kind}.json" for kind in KINDS}
+    results = {kind: json.loads(path.read_text()) for kind, path in paths.items() if path.is_file()}
+    for kind, result in results.items():
         for case, exact_lds in result["exact"].items():
             lines.append(f"| {kind}, {case} | exact | | {exact_lds:+.3f} | |")
             for variant in VARIANTS:
@@ -154,11 +152,8 @@ def report() -> str:
         "| share of the error common to every query |",
         "|---|---|---|---|",
     ]
-    for kind in KINDS:
-        path = RESULTS / f"projection_error.{kind}.json"
-        if not path.is_file():
-            continue
-        seeds = json.loads(path.read_text())["seeds"].values()
+    for kind, result in results.items():
+        seeds = result["seeds"].values()
         for model in ("base", "ft"):
             mean = {
                 key: np.mean([s["modules"][model][key] for s in seeds])
