@@ -12,7 +12,6 @@ fisher's k⁴ moments, all from the statistics the index already stores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -20,9 +19,8 @@ from typing import Dict, List
 
 import numpy as np
 
-from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr, retrained, settings
+from benchmarks.lds_grid import KINDS, RESULTS, SMOLLM2, lds_set, mrr, retrained, settings, study_arguments
 from gradian_lightning.config import load_config
-from gradian_lightning.data import read_jsonl
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.query import score_matrix
@@ -36,9 +34,7 @@ SCORERS: List[Dict] = [
 
 
 def run_kind(kind: str, runs: Path, only: List[str], dim: int = 16, scorers: List[Dict] = SCORERS) -> Dict:
-    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
-    ids = [r["id"] for r in train]
-    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    train, queries, sources = lds_set(kind)
     subsets, outputs = retrained(runs, kind)
     ft = f"[{SMOLLM2},{runs / f'{kind}-ft'}]"
     # k = 16: lds_grid.py's indexes; any other k: indexes of their own under RUNS, built here once.
@@ -111,13 +107,10 @@ def report() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--runs", type=Path, default=Path("/tmp/gradian-lds"), help="lds_grid.py's RUNS folder")
+    parser = study_arguments(__doc__)
     parser.add_argument("--cases", nargs="*", default=[], help="only these cases (default: all three)")
     parser.add_argument("--dim", type=int, default=16, help="grads.projection_dim (not 16: indexes built under RUNS)")
     parser.add_argument("--only-default-and-diag", action="store_true", help="score ekfac 1.0 and diag alone")
-    parser.add_argument("--report", action="store_true", help="print the table from the saved results")
     args = parser.parse_args()
     if args.report:
         print(report())

@@ -25,7 +25,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -73,6 +73,23 @@ def settings(kind: str, runs: Path, **more: str) -> List[str]:
         **more,
     }
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def lds_set(kind: str) -> Tuple[List[Dict], List[Dict], List[List[int]]]:
+    """A kind's training rows, its queries, and each query's planted sources as row positions."""
+    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
+    ids = [r["id"] for r in train]
+    return train, queries, [[ids.index(s) for s in q["sources"]] for q in queries]
+
+
+def study_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every study on lds_grid.py's runs shares (--kinds, --runs, --report); each
+    script adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    parser.add_argument("--runs", type=Path, default=Path("/tmp/gradian-lds"), help="lds_grid.py's RUNS folder")
+    parser.add_argument("--report", action="store_true", help="print the table from the saved results")
+    return parser
 
 
 def mrr(scores: np.ndarray, sources: List[List[int]]) -> float:
@@ -128,9 +145,7 @@ def exact(model_dir: Path, train: List[Dict], queries: List[Dict]) -> Dict[str, 
 
 
 def run_kind(kind: str, runs: Path) -> Dict:
-    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
-    ids = [r["id"] for r in train]
-    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    train, queries, sources = lds_set(kind)
     ft = finetuned(kind, runs)
     cases = {
         "pretrained": settings(kind, runs, **{"index.path": str(runs / f"{kind}-pre")}),
@@ -185,9 +200,7 @@ def projection_dims(kind: str, runs: Path, dims: Sequence[int]) -> Dict:
     """The pretrained case only, at the default scorer, for each grads.projection_dim in `dims`
     (each a fresh index in a temporary folder) and exact unprojected per-module cosine: LDS over the
     retrained subsets already in RUNS/<kind>-runs (none are trained here) and planted-source MRR."""
-    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
-    ids = [r["id"] for r in train]
-    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    train, queries, sources = lds_set(kind)
     subsets, outputs = retrained(runs, kind)
     table: Dict[str, Dict] = {}
 

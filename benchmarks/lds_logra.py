@@ -16,7 +16,6 @@ A prototype: the product has no option for it (see RANKING.md for why).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import tempfile
@@ -29,10 +28,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, mrr, retrained
+from benchmarks.lds_grid import KINDS, RESULTS, SMOLLM2, lds_set, mrr, retrained, study_arguments
 from gradian_lightning import IndexSession, IndexSpec, open_index
 from gradian_lightning.config import load_config
-from gradian_lightning.data import JsonlDataset, collate, read_jsonl
+from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
 from gradian_lightning.gradients.capture import LinearCapture
 from gradian_lightning.gradients.loss import supervised_token_loss
@@ -103,9 +102,7 @@ def query_rows(model, session, rows, tokenizer) -> torch.Tensor:
 
 
 def run_kind(kind: str, runs: Path, k: int) -> Dict:
-    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
-    ids = [r["id"] for r in train]
-    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    train, queries, sources = lds_set(kind)
     subsets, outputs = retrained(runs, kind)
     model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={SMOLLM2}"]).model)
     model.eval()
@@ -151,11 +148,8 @@ def report() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--runs", type=Path, default=Path("/tmp/gradian-lds"), help="lds_grid.py's RUNS folder")
+    parser = study_arguments(__doc__)
     parser.add_argument("--k", type=int, default=16, help="grads.projection_dim of both projections")
-    parser.add_argument("--report", action="store_true", help="print the table from the saved results")
     args = parser.parse_args()
     if args.report:
         print(report())

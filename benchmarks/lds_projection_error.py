@@ -14,7 +14,6 @@ in RUNS/exact-parts.<kind>.<base|ft>.npz.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Dict, Sequence
@@ -22,10 +21,9 @@ from typing import Dict, Sequence
 import numpy as np
 import torch
 
-from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, retrained, settings
+from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, lds_set, retrained, settings, study_arguments
 from benchmarks.ranking_grid import Captured
 from gradian_lightning.config import load_config
-from gradian_lightning.data import read_jsonl
 from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.hub import load_model_and_tokenizer
 from gradian_lightning.index.layout import stored_meta
@@ -43,8 +41,9 @@ def exact_parts(kind: str, runs: Path, which: str) -> Dict[str, np.ndarray]:
         cfg = load_config(None, [f"model.name_or_path={SMOLLM2 if which == 'base' else runs / f'{kind}-ft'}"])
         model, tokenizer = load_model_and_tokenizer(cfg.model)
         modules = select_modules(model, list(cfg.grads.module_filter))
-        q = Captured(modules, dims=[]).run(model, tokenizer, read_jsonl(DATA / f"{kind}.queries.jsonl"))
-        t = Captured(modules, dims=[]).run(model, tokenizer, read_jsonl(DATA / f"{kind}.train.jsonl"), queries=q)
+        train, queries, _ = lds_set(kind)
+        q = Captured(modules, dims=[]).run(model, tokenizer, queries)
+        t = Captured(modules, dims=[]).run(model, tokenizer, train, queries=q)
         np.savez(path, inner=t.inner.numpy(), queries=q.self_inner.numpy(), rows=t.self_inner.numpy())
     return dict(np.load(path))
 
@@ -166,11 +165,8 @@ def report() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--runs", type=Path, default=Path("/tmp/gradian-lds"), help="lds_grid.py's RUNS folder")
+    parser = study_arguments(__doc__)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    parser.add_argument("--report", action="store_true", help="print the table from the saved results")
     args = parser.parse_args()
     if not args.report:
         torch.set_num_threads(2)

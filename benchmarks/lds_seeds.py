@@ -14,7 +14,6 @@ not scored again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -23,9 +22,8 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from benchmarks.lds_grid import DATA, KINDS, RESULTS, SMOLLM2, exact, mrr, retrained, settings
+from benchmarks.lds_grid import KINDS, RESULTS, SMOLLM2, exact, lds_set, mrr, retrained, settings, study_arguments
 from gradian_lightning.config import load_config
-from gradian_lightning.data import read_jsonl
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.query import score_matrix
@@ -41,7 +39,7 @@ CASES = ("pretrained", "fine-tuned, base+ft", "fine-tuned, ft")
 
 def exact_scores(kind: str, runs: Path) -> Dict[str, np.ndarray]:
     """Exact per-module cosine [Q, N] per case (base+ft: the sum of the two models' scores)."""
-    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
+    train, queries, _ = lds_set(kind)
     models = {}
     for which, model in (("base", SMOLLM2), ("ft", runs / f"{kind}-ft")):
         path = runs / f"exact.{kind}.{which}.npz"
@@ -74,9 +72,7 @@ def result_path(kind: str, dim: int) -> Path:
 
 
 def run_kind(kind: str, runs: Path, seeds: Sequence[int], dim: int = 16) -> Dict:
-    train, queries = read_jsonl(DATA / f"{kind}.train.jsonl"), read_jsonl(DATA / f"{kind}.queries.jsonl")
-    ids = [r["id"] for r in train]
-    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    train, queries, sources = lds_set(kind)
     subsets, outputs = retrained(runs, kind)
     path = result_path(kind, dim)
     result: Dict = json.loads(path.read_text()) if path.is_file() else {"kind": kind, "seeds": {}}
@@ -138,12 +134,9 @@ def report(dims: Sequence[int] = (16,)) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--runs", type=Path, default=Path("/tmp/gradian-lds"), help="lds_grid.py's RUNS folder")
+    parser = study_arguments(__doc__)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--dims", nargs="+", type=int, default=[16], help="grads.projection_dim (each its own indexes)")
-    parser.add_argument("--report", action="store_true", help="print the table from the saved results")
     args = parser.parse_args()
     if args.report:
         print(report(args.dims))

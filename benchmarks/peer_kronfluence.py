@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.lds_grid import DATA, RESULTS, SMOLLM2, exact, mrr, retrained, settings
+from benchmarks.lds_grid import DATA, RESULTS, SMOLLM2, exact, lds_set, mrr, retrained, settings
 from gradian_lightning.config import load_config
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
 from gradian_lightning.gradients.capture import select_modules
@@ -152,9 +152,7 @@ def main() -> None:
     if args.method:
         one_method(args.method, args.kind, runs)
         return
-    train, queries = read_jsonl(DATA / f"{args.kind}.train.jsonl"), read_jsonl(DATA / f"{args.kind}.queries.jsonl")
-    ids = [r["id"] for r in train]
-    sources = [[ids.index(s) for s in q["sources"]] for q in queries]
+    train, queries, sources = lds_set(args.kind)
     subsets, outputs = retrained(runs, args.kind)
     saved = RESULTS / f"peer_kronfluence.{args.kind}.json"
     table = json.loads(saved.read_text()) if saved.is_file() else {}
