@@ -42,7 +42,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -222,7 +222,9 @@ def filter_columns(names: List[str], picked: List[int], k: int) -> tuple:
     return cols, blocks
 
 
-def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
+def load_kind(kind: str) -> Tuple[List[Dict], List[Dict], List[List[int]], Any, torch.nn.Module]:
+    """A kind's training rows, queries, each query's planted sources as row positions, and
+    SmolLM2's tokenizer and float32 model in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     train = read_jsonl(DATA / f"{kind}.train.jsonl")
@@ -230,7 +232,17 @@ def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
     position = {r["id"]: i for i, r in enumerate(train)}
     sources = [[position[s] for s in q["sources"]] for q in query_rows]
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2, use_fast=True)
-    base = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    return (
+        train,
+        query_rows,
+        sources,
+        tokenizer,
+        AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval(),
+    )
+
+
+def run_kind(kind: str, log: Callable[[str], None]) -> Dict:
+    train, query_rows, sources, tokenizer, base = load_kind(kind)
     start = time.perf_counter()
     captured, notes = {}, {}
     for name in ("base", "ft"):
@@ -323,14 +335,7 @@ def pretrained_cell(kind: str, filter_name: str, k: int, log: Callable[[str], No
     product's current defaults (`auto` as it resolves now, damping QuerySpec's) beside the
     explicit preconditioners and the exact ceiling, with recall@1/@10 and MRR. Same capture, index
     and scoring as run_kind; only the fine-tuned model and the other filters and dims are left out."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    train = read_jsonl(DATA / f"{kind}.train.jsonl")
-    query_rows = read_jsonl(DATA / f"{kind}.queries.jsonl")
-    position = {r["id"]: i for i, r in enumerate(train)}
-    sources = [[position[s] for s in q["sources"]] for q in query_rows]
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2, use_fast=True)
-    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    train, query_rows, sources, tokenizer, model = load_kind(kind)
     start = time.perf_counter()
     every = select_modules(model, ["*"])
     keep = module_filters(list(every))[filter_name]
