@@ -23,7 +23,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       statistics.py            per-module RᵀR and per-coordinate sums of squares, gathered while writing
       checkpoints.py           several checkpoints (step, learning rate) of one model in one index
     gradients/                 the gradient path, plain torch: no Lightning, no zarr
-      capture.py               select_modules, LinearCapture (hooks on the selected Linears)
+      capture.py               select_modules, LinearCapture (hooks on the selected nn.Linear and Conv1D modules)
       peft.py                  PEFT LoRA models: the model to hook, the names lora_A/lora_B/base layers answer to
       loss.py                  supervised_token_loss: fp32 gather-then-upcast
       memory.py                the byte arithmetic of that loss's fp32 peak

@@ -20,7 +20,9 @@ STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 # What the indexing backward recomputes instead of keeping (gradients/recompute.py); mlp measured
 # 0.58x the plain step's peak RSS at 0.67-0.74x its time on SmolLM2 (benchmarks/RESULTS.md §1).
 RECOMPUTE = ("mlp", "layers", "none")
-DEFAULT_MODULE_FILTER = ("gate_proj", "up_proj", "down_proj")  # the MLP: measured best (benchmarks/RANKING.md)
+# Every decoder layer's MLP block, named by its role: the linear maps inside it are selected
+# (capture.py), whatever an architecture calls them. Measured best (benchmarks/RANKING.md).
+DEFAULT_MODULE_FILTER = ("mlp",)
 SCORES = ("cosine", "inner")
 NORMALIZE = ("module", "row")
 # auto: fisher where the index kept the k²×k² second moments and counted at least 4·k² rows, ekfac

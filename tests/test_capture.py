@@ -29,6 +29,27 @@ def test_partial_component_matches_nothing_and_lists_candidates(model):
     assert "grads.module_filter" in message and "model.layers.N.mlp.down_proj" in message and "\n" not in message
 
 
+def test_a_block_selects_the_linear_modules_inside_it(model):
+    assert list(select_modules(model, ["mlp"])) == [
+        f"model.layers.{i}.mlp.{n}" for i in range(2) for n in ("gate_proj", "up_proj", "down_proj")
+    ]
+    assert list(select_modules(model, ["layers.1.self_attn", "lm_head"])) == [
+        *(f"model.layers.1.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        "lm_head",
+    ]
+    assert list(select_modules(model, ["*.layers.0.mlp"])) == list(select_modules(model, ["layers.0.mlp"]))
+
+
+def test_a_pattern_that_matches_nothing_is_an_error_even_beside_one_that_does(model):
+    with pytest.raises(ConfigError) as err:
+        select_modules(model, ["mlp", "dwon_proj"])
+    message = str(err.value)
+    assert "pattern 'dwon_proj' matches no nn.Linear or Conv1D module" in message
+    assert "model.layers.N.mlp.down_proj" in message and "\n" not in message
+    with pytest.raises(ConfigError, match=r"patterns \['proj', 'layer'\] match no"):
+        select_modules(model, ["proj", "down_proj", "layer"])
+
+
 def test_output_transform_gets_each_output_gradient_as_the_backward_reaches_it(model, tokenizer, rows):
     """With an output_transform the capture keeps no output and no full gradient: each module's
     output-gradient passes through its tap. It equals the transform of the gradient autograd takes

@@ -62,7 +62,7 @@ def test_errors_are_one_line_and_exit_2(tmp_path, saved_model, capsys):
         )
         == 2
     )
-    assert "matches no nn.Linear module" in capsys.readouterr().err
+    assert "pattern 'nothing_like_this' matches no nn.Linear or Conv1D module" in capsys.readouterr().err
     assert (
         main(["index", "configs/smollm2.yaml", f"model.name_or_path={tmp_path / 'no-model'}", f"data.train={data}"])
         == 2

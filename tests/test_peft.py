@@ -13,6 +13,7 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.specs import DEFAULT_MODULE_FILTER
 
 peft = pytest.importorskip("peft")
 
@@ -143,5 +144,18 @@ def test_inactive_adapters_are_no_candidates(tokenizer):
     model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["q_proj"]))  # added, never activated
     chosen = select_modules(model.get_base_model(), ["lora_A"])
     assert list(chosen) == [f"model.layers.{i}.self_attn.q_proj.lora_A.default" for i in range(2)]
-    with pytest.raises(ConfigError, match="matches no nn.Linear module"):
+    with pytest.raises(ConfigError, match="pattern 'lora_A.other' matches no nn.Linear or Conv1D module"):
         select_modules(model.get_base_model(), ["lora_A.other"])
+
+
+def test_the_default_filter_selects_the_mlp_base_layers_not_the_adapters(tokenizer):
+    """`mlp` names the block: under LoRA it selects the MLP's frozen base layers (what the layers
+    are without LoRA), and the adapter matrices inside them only when a pattern names them."""
+    model = lora(tokenizer, "all-linear").get_base_model()
+    mlp = [f"model.layers.{i}.mlp.{m}.base_layer" for i in range(2) for m in ("gate_proj", "up_proj", "down_proj")]
+    assert list(select_modules(model, list(DEFAULT_MODULE_FILTER))) == mlp
+    assert list(select_modules(model, ["mlp", "mlp.down_proj.lora_B"])) == [
+        f"model.layers.{i}.mlp.{m}"
+        for i in range(2)
+        for m in ("gate_proj.base_layer", "up_proj.base_layer", "down_proj.base_layer", "down_proj.lora_B.default")
+    ]

@@ -1,27 +1,66 @@
-"""Which Linear modules to capture, and forward hooks that keep their inputs and output-gradients.
+"""Which linear modules to capture, and forward hooks that keep their inputs and output-gradients.
 
-A module is selected when a pattern of `grads.module_filter` matches its dotted name
+Capturable modules are the linear maps y = W x + b of a transformer: `nn.Linear` (weight [out, in])
+and transformers' `Conv1D` (GPT-2's; weight [in, out], y = x W + b), see `linear_features`.
+A pattern of `grads.module_filter` is matched against dotted module names
 (`model.layers.3.mlp.down_proj`):
   - a pattern with `*`, `?` or `[` is a glob matched against the whole name (`*.layers.1?.mlp.*`);
   - any other pattern matches the whole name or a dotted suffix of it, component by component:
     `down_proj` and `mlp.down_proj` match every layer's down projection, `layers.3.mlp.down_proj`
     one of them, and `proj` matches nothing (it is not a whole component).
-Only `nn.Linear` modules are candidates. In a PEFT LoRA model a layer's Linears also answer to
-shorter names (peft.py): `q_proj` selects the frozen `q_proj.base_layer`, `lora_A` / `lora_B` (or
-`q_proj.lora_A`, ...) select the active adapter's matrices `q_proj.lora_A.default`, ...
+A capturable module is selected when a pattern matches its name or the name of a module it sits
+in: `mlp` names every decoder layer's MLP block and so selects the linear maps inside each (the
+default; Llama's gate/up/down projections, Phi's fc1/fc2, GPT-NeoX's dense_h_to_4h/dense_4h_to_h,
+GPT-2's c_fc/c_proj), `layers.3` everything in layer 3. Every pattern must select something: one
+that selects nothing is an error naming it, even beside patterns that do.
+
+In a PEFT LoRA model a layer's Linears also answer to shorter names (peft.py): `q_proj` selects
+the frozen `q_proj.base_layer`, `lora_A` / `lora_B` (or `q_proj.lora_A`, ...) select the active
+adapter's matrices `q_proj.lora_A.default`, ... Adapter matrices are selected only by such names
+(or a glob matching their own), never through a block they sit in: `mlp` selects the MLP's base
+layers, not the adapters wrapped around them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Callable, Dict, Iterator, List, Optional
+import sys
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.gradients.peft import module_aliases
+from gradian_lightning.gradients.peft import is_adapter_matrix, module_aliases
+
+# What the errors call a capturable module.
+CAPTURABLE = "nn.Linear or Conv1D"
+
+
+def _conv1d_class() -> Optional[type]:
+    # transformers' Conv1D, looked up rather than imported: importing transformers costs seconds, and
+    # a model holding a Conv1D has imported it already.
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+
+
+def linear_features(module: nn.Module) -> Optional[Tuple[int, int]]:
+    """(out_features, in_features) of a capturable module, None for any other.
+
+    Capturable: `nn.Linear` (weight [out, in]) and transformers' `Conv1D` (weight [in, out]).
+    """
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return module.nf, module.nx
+    return None
+
+
+def weight_is_transposed(module: nn.Module) -> bool:
+    """True when the module's weight is [in, out] (transformers' `Conv1D`), False for [out, in] (`nn.Linear`)."""
+    conv1d = _conv1d_class()
+    return conv1d is not None and isinstance(module, conv1d)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -42,27 +81,43 @@ def unwrapped_name(name: str) -> str:
     return name
 
 
-def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Linear]:
-    """The `nn.Linear` submodules of `model` whose names (or PEFT aliases) match any pattern, in model order.
+def _enclosing(name: str) -> List[str]:
+    """The names of the modules `name` sits in: `a.b.c` -> [`a.b`, `a`]."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
-    Keys are the modules' own dotted names as in the unwrapped model (`unwrapped_name`), so an
-    index written under FSDP, activation checkpointing or torch.compile names its modules as one
-    written without. Raises `ConfigError` listing the candidates when nothing matches.
+
+def select_modules(model: nn.Module, patterns: List[str]) -> Dict[str, nn.Module]:
+    """The capturable submodules of `model` (`linear_features`) that the patterns select, in model order.
+
+    A module is selected when a pattern matches its name, a PEFT alias, or the name of a module
+    it sits in (module docstring). Keys are the modules' own dotted names as in the unwrapped model
+    (`unwrapped_name`), so an index written under FSDP, activation checkpointing or torch.compile
+    names its modules as one written without. Raises `ConfigError` naming every pattern that
+    selects nothing, with the candidates.
     """
     modules = dict(model.named_modules())
-    own_names = module_aliases(model)
-    aliases = {unwrapped_name(name): [unwrapped_name(a) for a in names] for name, names in own_names.items()}
-    linears = {unwrapped_name(name): modules[name] for name in own_names}
-    chosen = {
-        name: m for name, m in linears.items() if any(_matches(alias, p) for alias in aliases[name] for p in patterns)
-    }
-    if not chosen:
+    linears: Dict[str, nn.Module] = {}
+    answers: Dict[str, List[str]] = {}  # unwrapped name -> every name a pattern may match to select it
+    for name, module in modules.items():
+        aliases = module_aliases(modules, name) if linear_features(module) is not None else None
+        if aliases is None:
+            continue
+        own = unwrapped_name(name)
+        names = [unwrapped_name(a) for a in aliases]
+        if not is_adapter_matrix(modules, name):
+            names += [outer for alias in names for outer in _enclosing(alias)]
+        linears[own], answers[own] = module, names
+    selects = {p: {n for n, names in answers.items() if any(_matches(a, p) for a in names)} for p in patterns}
+    unmatched = [p for p in patterns if not selects[p]]
+    if unmatched:
         # Layer numbers make the list long and repetitive; show each distinct shape once.
         shapes = sorted({".".join("N" if part.isdigit() else part for part in name.split(".")) for name in linears})
+        which = f"pattern {unmatched[0]!r} matches" if len(unmatched) == 1 else f"patterns {unmatched!r} match"
         raise ConfigError(
-            f"setting 'grads.module_filter'={patterns!r} matches no nn.Linear module; candidates (N = layer number): {', '.join(shapes)}"
+            f"setting 'grads.module_filter'={list(patterns)!r}: {which} no {CAPTURABLE} module; candidates (N = layer number), or a module holding some of them: {', '.join(shapes)}"
         )
-    return chosen
+    return {name: m for name, m in linears.items() if any(name in chosen for chosen in selects.values())}
 
 
 class _Tap(torch.autograd.Function):
@@ -102,7 +157,7 @@ class LinearCapture:
 
     def __init__(
         self,
-        modules: Dict[str, nn.Linear],
+        modules: Dict[str, nn.Module],
         input_transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
         output_transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
     ) -> None:

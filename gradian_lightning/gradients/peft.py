@@ -13,12 +13,13 @@ Besides its own dotted name, each such Linear answers to a shorter one (`module_
 `q_proj.base_layer` also to `q_proj` (the layer means the same weight with or without LoRA), and
 `q_proj.lora_A.default` also to `q_proj.lora_A` when `default` is an active adapter. Matrices of
 inactive, disabled or merged adapters do not run in the forward, so they are no candidates.
+PEFT wraps GPT-2's `Conv1D` layers the same way (its `base_layer` is the Conv1D).
 Duck-typed: PEFT is not a dependency of gradian.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from torch import nn
 
@@ -48,27 +49,29 @@ def _adapter_runs(wrapper: nn.Module, adapter: str) -> bool:
     )
 
 
-def module_aliases(model: nn.Module) -> Dict[str, List[str]]:
-    """Every `nn.Linear` that runs in the forward -> the names it answers to (its own first).
+def _adapter_layer(modules: Dict[str, nn.Module], name: str) -> Optional[nn.Module]:
+    """The LoRA layer whose adapter matrix `name` is (`q_proj` for `q_proj.lora_A.default`), else None."""
+    grand, _, kind = name.rpartition(".")[0].rpartition(".")
+    wrapper = modules.get(grand) if grand else None
+    return wrapper if wrapper is not None and kind.startswith("lora_") and is_lora_layer(wrapper) else None
 
-    Plain models: each Linear answers to its own name only. In PEFT LoRA layers, see the module
-    docstring; LoRA matrices of adapters that do not run are left out.
+
+def is_adapter_matrix(modules: Dict[str, nn.Module], name: str) -> bool:
+    """Module `name` of `modules` (a model's `named_modules()`) is a LoRA adapter's A or B matrix."""
+    return _adapter_layer(modules, name) is not None
+
+
+def module_aliases(modules: Dict[str, nn.Module], name: str) -> Optional[List[str]]:
+    """The names the linear module `name` of `modules` (a model's `named_modules()`) answers to, its own first.
+
+    Plain models: its own name only. In PEFT LoRA layers, see the module docstring. None for a LoRA
+    matrix of an adapter that does not run: it is no candidate.
     """
-    modules = dict(model.named_modules())
-    names: Dict[str, List[str]] = {}
-    for name, module in modules.items():
-        if not isinstance(module, nn.Linear):
-            continue
-        parent, _, leaf = name.rpartition(".")
-        wrapper = modules.get(parent) if parent else None
-        if wrapper is not None and is_lora_layer(wrapper) and leaf == "base_layer":
-            names[name] = [name, parent]
-            continue
-        grand, _, kind = parent.rpartition(".")
-        wrapper = modules.get(grand) if grand else None
-        if wrapper is not None and is_lora_layer(wrapper) and kind.startswith("lora_"):
-            if _adapter_runs(wrapper, leaf):
-                names[name] = [name, parent]
-            continue
-        names[name] = [name]
-    return names
+    parent, _, leaf = name.rpartition(".")
+    wrapper = modules.get(parent) if parent else None
+    if wrapper is not None and leaf == "base_layer" and is_lora_layer(wrapper):
+        return [name, parent]
+    wrapper = _adapter_layer(modules, name)
+    if wrapper is not None:
+        return [name, parent] if _adapter_runs(wrapper, leaf) else None
+    return [name]

@@ -1,8 +1,11 @@
-"""Kronecker random projection of per-example Linear gradients, computed from the factors.
+"""Kronecker random projection of per-example linear-module gradients, computed from the factors.
 
-For a Linear with input x_t ∈ R^in and output-gradient g_t ∈ R^out at token t, one example's
+For an `nn.Linear` with input x_t ∈ R^in and output-gradient g_t ∈ R^out at token t, one example's
 weight gradient is G = Σ_t g_t x_tᵀ ∈ R^{out×in}. We store P_out G P_inᵀ ∈ R^{k×k}, which equals
 Σ_t (P_out g_t)(P_in x_t)ᵀ, so G is never materialised: cost O(T·k·(in + out)) per example.
+A block keeps its weight's layout: transformers' `Conv1D` (GPT-2) holds its weight as [in, out]
+(y = x W + b), so its gradient is Gᵀ = Σ_t x_t g_tᵀ ∈ R^{in×out} and its block P_in Gᵀ P_outᵀ.
+Exact rows (`dim=None`) hold each weight gradient itself, flattened row-major as `.grad` would be.
 
 P_out [k, out] and P_in [k, in] have i.i.d. N(0, 1/k) entries, so inner products of projected
 gradients are unbiased estimates of the exact ones. They are drawn on the CPU from a generator
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from gradian_lightning.errors import ConfigError, GradianError
+from gradian_lightning.gradients.capture import linear_features, weight_is_transposed
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -30,13 +34,18 @@ def module_seed(seed: int, name: str) -> int:
 
 @dataclass(frozen=True)
 class ModuleBlock:
-    """Where one module's projected gradient lives in a row: columns [offset, offset + size)."""
+    """Where one module's projected gradient lives in a row: columns [offset, offset + size).
+
+    `shape` is (k_out, k_in), or (out, in) when exact; with `transposed` (a Conv1D, weight [in, out])
+    (k_in, k_out), or (in, out) when exact: the block is laid out as the module's weight is.
+    """
 
     name: str
     out_features: int
     in_features: int
-    shape: Tuple[int, int]  # (k_out, k_in), or (out, in) when exact
+    shape: Tuple[int, int]
     offset: int
+    transposed: bool = False
 
     @property
     def size(self) -> int:
@@ -44,20 +53,22 @@ class ModuleBlock:
 
 
 class KroneckerProjector:
-    """Maps captured (inputs, output-grads) of Linear modules to one row per example.
+    """Maps captured (inputs, output-grads) of linear modules (`capture.linear_features`) to one row per example.
 
-    `dim=None` stores the exact flattened gradient (out × in per module): for small modules and tests.
+    `dim=None` stores the exact flattened weight gradient (out × in per module, in the weight's
+    layout): for small modules and tests.
     """
 
-    def __init__(self, modules: Dict[str, nn.Linear], dim: Optional[int], seed: int) -> None:
+    def __init__(self, modules: Dict[str, nn.Module], dim: Optional[int], seed: int) -> None:
         self.dim, self.seed = dim, seed
         self.blocks: List[ModuleBlock] = []
         self._matrices: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         offset = 0
         for name, module in modules.items():
-            out_f, in_f = module.out_features, module.in_features
+            out_f, in_f = linear_features(module)
+            transposed = weight_is_transposed(module)
             if dim is None:
-                shape = (out_f, in_f)
+                shape = (in_f, out_f) if transposed else (out_f, in_f)
             else:
                 if dim > min(out_f, in_f):
                     raise ConfigError(
@@ -68,7 +79,7 @@ class KroneckerProjector:
                 p_out = torch.randn(dim, out_f, generator=generator) / dim**0.5
                 p_in = torch.randn(dim, in_f, generator=generator) / dim**0.5
                 self._matrices[name] = (p_out, p_in)
-            self.blocks.append(ModuleBlock(name, out_f, in_f, shape, offset))
+            self.blocks.append(ModuleBlock(name, out_f, in_f, shape, offset, transposed))
             offset += shape[0] * shape[1]
         self.width = offset
         self._on_device: Dict[torch.device, Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -133,12 +144,13 @@ class KroneckerProjector:
             x = x.float()
             g = output_grads[block.name]
             g = g.float() if outputs_projected else self.project_output(block.name, g)  # [.., k]
+            rows, cols = (x, g) if block.transposed else (g, x)  # the weight's layout: [out, in] or [in, out]
             if x.dim() == 3:
-                grad = torch.einsum("bto,bti->boi", g, x)
+                grad = torch.einsum("btr,btc->brc", rows, cols)
             elif x.dim() == 2 and token_rows is not None and token_rows.shape[0] == x.shape[0]:
                 owner = torch.zeros(batch_size, x.shape[0], dtype=x.dtype, device=x.device)
                 owner[token_rows, torch.arange(x.shape[0], device=x.device)] = 1.0
-                grad = torch.einsum("bn,no,ni->boi", owner, g, x)
+                grad = torch.einsum("bn,nr,nc->brc", owner, rows, cols)
             else:
                 raise GradianError(
                     f"module {block.name!r} saw input of shape {tuple(x.shape)}, not [batch, tokens, features]; leave it out of grads.module_filter"
@@ -147,7 +159,9 @@ class KroneckerProjector:
         return torch.cat(out, dim=1)
 
     def describe(self) -> List[Dict[str, object]]:
-        """The row layout as plain data, for the index attributes."""
+        """The row layout as plain data, for the index attributes. A Conv1D's block adds
+        `"transposed": true` (laid out [in, out]); an nn.Linear's has no such key, so the layouts
+        of indexes written before Conv1D was supported read as they were written."""
         return [
             {
                 "name": b.name,
@@ -156,6 +170,7 @@ class KroneckerProjector:
                 "shape": list(b.shape),
                 "offset": b.offset,
                 "size": b.size,
+                **({"transposed": True} if b.transposed else {}),
             }
             for b in self.blocks
         ]

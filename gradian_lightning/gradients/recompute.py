@@ -16,7 +16,7 @@ nothing, so the recomputation stops before it). On SmolLM2 (down_proj) the defau
 The model is not changed: each unit's `forward` is wrapped on the instance for the duration of
 the context and restored after. Units that another wrapper already manages (FSDP units,
 activation checkpointing, sharded DTensor parameters) are left as they are, and a model without
-transformers' `get_decoder().layers` (or layers without an `mlp`) runs as it is: recomputation
+transformers' `get_decoder().layers` (GPT-2: `.h`; or layers without an `mlp`) runs as it is: recomputation
 changes memory and time, never the rows.
 """
 
@@ -37,9 +37,11 @@ _MANAGED = ("FullyShardedDataParallel", "CheckpointWrapper", "FSDPModule")
 
 
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
-    """The decoder layers of a transformers causal LM (`get_decoder().layers`), or [] when it has none."""
+    """The decoder layers of a transformers causal LM (`get_decoder().layers`; GPT-2's `.h`), or [] when it has none."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
+    if layers is None:
+        layers = getattr(decoder, "h", None)  # GPT-2 keeps the name of its original code
     return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
 from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.capture import CAPTURABLE, LinearCapture, linear_features, select_modules
 from gradian_lightning.gradients.loss import LOSS_KIND
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.projection import KroneckerProjector
@@ -63,18 +63,17 @@ def index_mismatches(
     for block in meta.get("modules", []):
         name, shape = block["name"], (block["out_features"], block["in_features"])
         module = linears.get(name)
-        if not isinstance(module, nn.Linear):
+        features = None if module is None else linear_features(module)
+        if features is None:
             modules_found = False
             found.append(
                 f"module {name!r} is missing from the model"
                 if module is None
-                else f"module {name!r} is {type(module).__name__}, not nn.Linear"
+                else f"module {name!r} is {type(module).__name__}, not {CAPTURABLE}"
             )
-        elif (module.out_features, module.in_features) != shape:
+        elif features != shape:
             modules_found = False
-            found.append(
-                f"module {name!r} is {module.out_features}x{module.in_features} here but {shape[0]}x{shape[1]} in the index"
-            )
+            found.append(f"module {name!r} is {features[0]}x{features[1]} here but {shape[0]}x{shape[1]} in the index")
     if spec is not None and modules_found:
         try:
             chosen = list(select_modules(model, spec.module_filter))

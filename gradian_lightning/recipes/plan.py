@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradian_lightning.config import require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.gradients.capture import select_modules
+from gradian_lightning.gradients.capture import linear_features, select_modules
 from gradian_lightning.gradients.memory import (
     FP32_BYTES,
     SUGGESTED_LOSS_CHUNK_TOKENS,
@@ -306,9 +306,9 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     vocab = int(model.get_output_embeddings().out_features)
     dtype, autocast = precision_dtypes(cfg, config)
     weights = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
-    if autocast is not None:  # autocast keeps a low-precision copy of every Linear weight for backward
+    if autocast is not None:  # autocast keeps a low-precision copy of every linear weight for backward
         weights += (
-            sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+            sum(m.weight.numel() for m in model.modules() if linear_features(m) is not None)
             * torch.empty((), dtype=autocast).element_size()
         )
     act = activation_bytes_per_token(
