@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+import zarr
 from conftest import ROWS, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
 from gradian_lightning.data import JsonlDataset
 from gradian_lightning.gradients.capture import select_modules, weight_is_transposed
+from gradian_lightning.gradients.memory import human_bytes
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import recomputed_units
 
@@ -76,13 +78,16 @@ def test_index_then_query_at_the_default_filter(arch, saved_models, tmp_path, ca
         main(["index", *common, f"data.train={train}", "grads.batch_size=3", "trainer.enable_progress_bar=false"]) == 0
     )
     index = open_index(tmp_path / "ix")
+    # What `gradian index` predicted before the first batch (recipes/plan.py) is what it wrote.
+    group = zarr.open_group(str(tmp_path / "ix"))
+    written = group["grads"].nbytes + group["norms"].nbytes + sum(a.nbytes for a in group["statistics"].array_values())
+    assert f"-> {human_bytes(written)} predicted for" in capsys.readouterr().out.splitlines()[0]
     # The default filter names the MLP block by its role: this architecture's own MLP matrices, nothing else.
     assert [b["name"] for b in index.meta["modules"]] == mlp_names(arch)
     assert index.meta["spec"]["module_filter"] == ["mlp"] and index.meta["complete"]
     rows = index.rows(slice(None))
     assert rows.shape == (len(ROWS), 16 * 16 * len(mlp_names(arch))) and rows.isfinite().all() and rows.abs().sum() > 0
     out_file = tmp_path / "results.jsonl"
-    capsys.readouterr()
     assert main(["query", *common, f"query.data={train}", f"query.top_k={len(ROWS)}", f"query.output={out_file}"]) == 0
     results = [json.loads(line) for line in out_file.read_text().splitlines()]
     # Each training row used as a query is made like its stored row: its cosine with itself is 1, the
