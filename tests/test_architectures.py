@@ -169,3 +169,15 @@ def test_rows_are_the_exact_per_example_gradients(arch, saved_models, tokenizer,
         want.append((first @ g @ second.T).reshape(len(g), -1))
         offset += shape.numel()
     assert relative_error(open_index(tmp_path / "projected").rows(slice(None)), torch.cat(want, dim=1)) < 1e-5
+
+
+def test_lora_on_gpt2_wraps_a_conv1d_and_the_default_still_selects_the_mlp(saved_models):
+    """PEFT wraps GPT-2's Conv1D like a Linear: its `base_layer` is the Conv1D, captured in its own
+    layout; the adapter matrices around it are not added to what the default selects."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(saved_models["gpt2"]), config)
+    chosen = select_modules(model.get_base_model(), ["mlp"])
+    assert list(chosen) == [f"transformer.h.{i}.mlp.{m}" for i in range(2) for m in ("c_fc.base_layer", "c_proj")]
+    assert all(weight_is_transposed(m) for m in chosen.values())
+    assert KroneckerProjector(chosen, None, 0).blocks[0].shape == (32, 64)  # c_fc: [in, out]
