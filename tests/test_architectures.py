@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 import zarr
-from conftest import ROWS, write_jsonl
+from conftest import ROWS, make_tokenizer, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
@@ -50,8 +50,6 @@ def mlp_names(arch: str) -> list:
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory):
     """arch -> a local from_pretrained directory holding a random-init model and the tests' tokenizer."""
-    from conftest import make_tokenizer
-
     tokenizer, out = make_tokenizer(), {}
     for arch, (config_class, settings, _, _) in ARCHITECTURES.items():
         config = getattr(transformers, config_class)(
