@@ -11,9 +11,8 @@ from torch.utils.data import DataLoader
 from gradian_lightning import GradientIndexer, IndexSession, IndexSpec, open_index, query_gradients
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import GradianError
-from gradian_lightning.gradients.batch import projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
-from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.gradients.batch import GradientRows
+from gradian_lightning.gradients.capture import select_modules
 
 SPEC = IndexSpec(module_filter=("down_proj", "q_proj"), projection_dim=4, storage_dtype="float32", seed=3)
 
@@ -42,8 +41,8 @@ def exact_rows(model, dataset):
     """The rows by the gradient path alone, one batch of every example: the independent reference."""
     modules = select_modules(model, SPEC.module_filter)
     with torch.enable_grad():
-        rows, _ = projected_gradients(
-            model, collate(dataset.examples), LinearCapture(modules), KroneckerProjector(modules, 4, 3)
+        rows, _ = GradientRows(model, IndexSpec(projection_dim=4, seed=3, recompute="none"), modules)(
+            collate(dataset.examples)
         )
     return rows
 

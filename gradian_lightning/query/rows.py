@@ -9,21 +9,18 @@ with one `IndexMismatchError` line naming each difference.
 
 from __future__ import annotations
 
-import contextlib
-from functools import partial
+from dataclasses import replace
 from typing import Any, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
-from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.batch import BATCH_KEYS, GradientRows
+from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.loss import LOSS_KIND
 from gradian_lightning.gradients.peft import unwrap_peft
-from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.weights import weights_digest
 from gradian_lightning.hub import describe_model, normalized_name, pad_token_id
 from gradian_lightning.index.layout import decode, encode, storage_dtype_of, stored_spec
@@ -133,18 +130,21 @@ def check_matches_index(
         )
 
 
-def index_projector(index: IndexReader, model: nn.Module) -> tuple[Dict[str, nn.Linear], KroneckerProjector]:
-    """The index's modules, found by name in `model`, and its projection, rebuilt from the attributes."""
+def index_gradient_rows(index: IndexReader, model: nn.Module, loss_chunk_tokens: Optional[int] = None) -> GradientRows:
+    """The `GradientRows` that make rows like `index`'s with `model`: the index's modules, found by
+    name, and its stored spec (projection, seed, ...). `loss_chunk_tokens` changes memory, never
+    the rows (`supervised_token_loss`). Raises `IndexMismatchError` naming each mismatch."""
+    model = unwrap_peft(model)
     check_matches_index(index, model)
     linears = dict(model.named_modules())
     modules = {b["name"]: linears[b["name"]] for b in index.meta["modules"]}
-    spec = stored_spec(index.meta)
-    projector = KroneckerProjector(modules, spec.projection_dim, spec.seed)
-    if projector.describe() != index.meta["modules"] or projector.width != int(index.meta["width"]):
+    spec = replace(stored_spec(index.meta), loss_chunk_tokens=loss_chunk_tokens)
+    made = GradientRows(model, spec, modules)
+    if made.projector.describe() != index.meta["modules"] or made.projector.width != int(index.meta["width"]):
         raise IndexMismatchError(
-            f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {projector.width} vs {index.meta['width']}); rebuild the index with `gradian index`"
+            f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {made.projector.width} vs {index.meta['width']}); rebuild the index with `gradian index`"
         )
-    return modules, projector
+    return made
 
 
 def query_gradients(
@@ -171,8 +171,7 @@ def query_gradients(
     (adapters in place), as `GradientIndexer` runs it. `loss_chunk_tokens`: see
     `supervised_token_loss` (memory only; the rows are the same).
     """
-    model = unwrap_peft(model)
-    modules, projector = index_projector(index, model)
+    gradient_rows = index_gradient_rows(index, model, loss_chunk_tokens)
     if max_seq_length is None:
         max_seq_length = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
     dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)
@@ -181,25 +180,13 @@ def query_gradients(
             raise DataError(
                 f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt"
             )
-    loader = DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer))
-    )
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    capture = LinearCapture(modules)
     storage = storage_dtype_of(index.meta)
     out = []
-    # The index is written in eval mode (Lightning's validation loop); restore the caller's mode after.
-    training = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with gradient_mode(device):
-            for batch in loader:
-                batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
-                rows_, _ = projected_gradients(
-                    model, batch, capture, projector, forward_context or contextlib.nullcontext(), loss_chunk_tokens
-                )
-                out.append(decode(encode(rows_, storage), storage))
-    finally:
-        for m, mode in training.items():
-            m.train(mode)
+    pad = pad_token_id(tokenizer)
+    # Batches are collated here rather than by a DataLoader, whose iterator draws from the caller's RNG.
+    for lo in range(0, len(dataset), batch_size):
+        batch = collate(dataset.examples[lo : lo + batch_size], pad_token_id=pad)
+        made, _ = gradient_rows({k: batch[k].to(device) for k in BATCH_KEYS}, forward_context)
+        out.append(decode(encode(made, storage), storage))
     return torch.cat(out).to(device)
