@@ -10,7 +10,7 @@ with one `IndexMismatchError` line naming each difference.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ContextManager, Dict, List, Optional, Sequence
+from typing import Any, Collection, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,22 +25,28 @@ from gradian_lightning.gradients.weights import weights_digest
 from gradian_lightning.hub import describe_model, normalized_name, pad_token_id
 from gradian_lightning.index.layout import decode, encode, storage_dtype_of, stored_spec
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.specs import IndexSpec
+from gradian_lightning.specs import ROW_SETTINGS, IndexSpec, field_names
 
 
 def index_mismatches(
-    meta: Dict[str, Any], model: Optional[nn.Module] = None, spec: Optional[IndexSpec] = None
+    meta: Dict[str, Any],
+    model: Optional[nn.Module] = None,
+    spec: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
 ) -> List[str]:
     """What disagrees between an index's attributes and a query's model and settings (empty: all agree).
 
-    `spec` is the query's own `grads.*` settings: its projection and storage dtype must be the
-    index's, and with `model`, its module filter must select the index's modules. `model` is the
-    model the query will run. Each entry is a short phrase.
+    `spec` is the query's own `grads.*` settings, of which the fields named in `given` (default:
+    all) are checked: its projection and storage dtype must be the index's, and with `model`, its
+    module filter must select the index's modules. `model` is the model the query will run. Each
+    entry is a short phrase.
     """
     found: List[str] = []
+    given = set(field_names(IndexSpec) if given is None else given)
     if spec is not None:
         stored = stored_spec(meta)
-        for key in ("projection_dim", "seed", "storage_dtype"):
+        # The module filter is checked below, by the modules it selects in the query's model.
+        for key in [k for k in ROW_SETTINGS if k in given and k != "module_filter"]:
             ours, theirs = getattr(spec, key), getattr(stored, key)
             if ours != theirs:
                 found.append(f"grads.{key} is {ours!r} here but {theirs!r} in the index")
@@ -72,7 +78,7 @@ def index_mismatches(
             found.append(
                 f"module {name!r} is {module.out_features}x{module.in_features} here but {shape[0]}x{shape[1]} in the index"
             )
-    if spec is not None and modules_found:
+    if spec is not None and modules_found and "module_filter" in given:
         try:
             chosen = list(select_modules(model, spec.module_filter))
         except ConfigError:
@@ -120,10 +126,14 @@ def _other_weights(here: str, indexed: str, name: Optional[str], meta: Dict[str,
 
 
 def check_matches_index(
-    index: IndexReader, model: Optional[nn.Module] = None, spec: Optional[IndexSpec] = None
+    index: IndexReader,
+    model: Optional[nn.Module] = None,
+    spec: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
 ) -> None:
-    """Raise `IndexMismatchError`, one line naming each mismatch, when the query cannot match the index."""
-    found = index_mismatches(index.meta, model, spec)
+    """Raise `IndexMismatchError`, one line naming each mismatch, when the query cannot match the
+    index (`index_mismatches`)."""
+    found = index_mismatches(index.meta, model, spec, given)
     if found:
         raise IndexMismatchError(
             f"the query does not match the index at {str(index.path)!r}: {'; '.join(found)}; query with the model and grads.* settings the index was built with"

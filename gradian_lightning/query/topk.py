@@ -25,7 +25,7 @@ from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import decode, equal_block_size, module_norms
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve
-from gradian_lightning.specs import QuerySpec
+from gradian_lightning.specs import QuerySpec, spec_from_arguments
 
 # Scores held before they are merged into the running top-k: [Q, 4096] float32 is 16 KiB a query.
 MERGE_COLUMNS = 4096
@@ -40,6 +40,7 @@ class Ranking:
 
     indices: torch.Tensor
     scores: torch.Tensor
+    opponents: Optional["Ranking"] = None  # the most negative rows, most negative first, when asked for
 
 
 def _unit(rows: torch.Tensor) -> torch.Tensor:
@@ -282,31 +283,21 @@ class Index(IndexReader):
     def topk(
         self,
         query_rows: torch.Tensor | Dict[int, torch.Tensor],
-        k: int,
-        score: str = QuerySpec.score,
-        bottom_k: int = QuerySpec.bottom_k,
+        k: Any = QuerySpec.top_k,
+        *,
         device: Optional[torch.device | str] = None,
-        normalize: str = QuerySpec.normalize,
-        precondition: str = QuerySpec.precondition,
-        damping: float = QuerySpec.damping,
-        checkpoints: Any = QuerySpec.checkpoints,
-    ) -> Any:
-        """The k best rows per query (`streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
+        **settings: Any,
+    ) -> Ranking:
+        """The k best rows per query (`streaming_topk`), with the `bottom_k` most negative ones
+        in `opponents` when asked for.
 
-        `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`; the other
-        arguments are the `QuerySpec`'s (specs.py), `k` its top_k. The index is streamed chunk by chunk.
+        `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`, or
+        {checkpoint step: [Q, D]}; `k` is the `QuerySpec`'s top_k and `settings` its other fields
+        (specs.py: score, normalize, precondition, ...). The index is streamed chunk by chunk.
         """
-        spec = QuerySpec(
-            top_k=k,
-            bottom_k=bottom_k,
-            score=score,
-            normalize=normalize,
-            precondition=precondition,
-            damping=damping,
-            checkpoints=checkpoints,
-        )
+        spec = spec_from_arguments(QuerySpec, "Index.topk", (), {"top_k": k, **settings}, ("query_rows", "k", "device"))
         top, bottom = streaming_topk(self, query_rows, spec, device=device)
-        return (top, bottom) if bottom_k else top
+        return Ranking(top.indices, top.scores, opponents=bottom)
 
 
 def open_index(path: str | Path) -> Index:

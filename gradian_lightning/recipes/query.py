@@ -16,7 +16,7 @@ import lightning as L
 import numpy as np
 from omegaconf import OmegaConf
 
-from gradian_lightning.config import require
+from gradian_lightning.config import is_given, require
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.hub import file_sha256
@@ -27,7 +27,7 @@ from gradian_lightning.query.precondition import resolve
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.topk import Index, Ranking, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
-from gradian_lightning.specs import IndexSpec, QuerySpec
+from gradian_lightning.specs import IndexSpec, QuerySpec, field_names
 
 
 def results_for(
@@ -164,19 +164,21 @@ def run_query(cfg: Any) -> Dict[str, Any]:
             f"the index at {str(index.path)!r} is unfinished: {written} of {len(index)} rows are written, and only those are ranked; rerun gradian index with its settings to finish it",
             stacklevel=2,
         )
-    spec = IndexSpec.from_config(cfg.grads)
-    check_matches_index(index, spec=spec)  # before the model loads (the module filter needs the model)
+    # The rows are made as the index's stored spec says; a grads.* setting is checked against it
+    # only where the YAML file or the command line gave it.
+    spec, given = IndexSpec.from_config(cfg.grads), [k for k in field_names(IndexSpec) if is_given(cfg, f"grads.{k}")]
+    check_matches_index(index, spec=spec, given=given)  # before the model loads (the module filter needs the model)
     with contextlib.ExitStack() as stack:
         # The cluster first: a scheduler that does not answer fails before the model loads.
         client = None
         if cfg.query.engine == "dask":
             check_workers_can_open(index)
             client = stack.enter_context(dask_client(cfg.query.dask_scheduler))
-        return _answer(cfg, queries, index, spec, client)
+        return _answer(cfg, queries, index, spec, given, client)
 
 
 def _answer(
-    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, client: Optional[Any]
+    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, given: List[str], client: Optional[Any]
 ) -> Dict[str, Any]:
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
@@ -194,7 +196,7 @@ def _answer(
         model, tokenizer = load_saved_model(cfg.model, name)
         if cfg.query.token_scores:
             kept[step] = (model, tokenizer)  # for the token terms, after the ranking
-        check_matches_index(reader, model, spec)
+        check_matches_index(reader, model, spec, given)
         model.to(fabric.device)
         rows[step] = query_gradients(
             reader,
