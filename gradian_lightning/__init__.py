@@ -11,7 +11,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
     callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
-      topk.py                  streaming_topk, Ranking, open_index -> Index (IndexReader + topk)
+      topk.py                  streaming_topk, score_all (every row, dense), Ranking, open_index -> Index
       dask_engine.py           dask_topk: the same scoring as Dask reductions on a cluster (query.engine=dask)
       precondition.py          none / diag / fisher from the index's row statistics
       token_scores.py          each supervised token's term of a row's score
@@ -65,7 +65,7 @@ from gradian_lightning.index.session import IndexSession
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.token_scores import query_token_scores
-from gradian_lightning.query.topk import Index, Ranking, open_index, streaming_topk
+from gradian_lightning.query.topk import Index, Ranking, open_index, score_all, streaming_topk
 from gradian_lightning.recipes.validate import validate
 from gradian_lightning.specs import IndexSpec, QuerySpec
 
@@ -88,6 +88,7 @@ __all__ = [
     "query_gradients",
     "query_token_scores",
     "read_jsonl",
+    "score_all",
     "select_modules",
     "streaming_topk",
     "supervised_token_loss",

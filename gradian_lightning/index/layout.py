@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -97,6 +97,12 @@ def equal_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[i
     if len(sizes) == 1 and sum(int(b["size"]) for b in blocks) == width:
         return sizes.pop()
     return None
+
+
+def module_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The module blocks ({"name", "offset", "size", ...}) that tile an index's rows, from its
+    metadata; an index written by `IndexWriter` alone, without a module layout, is one block: the row."""
+    return list(meta.get("modules") or [{"name": "row", "offset": 0, "size": int(meta["width"])}])
 
 
 def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:

@@ -140,12 +140,20 @@ def check_matches_index(
         )
 
 
-def index_gradient_rows(index: IndexReader, model: nn.Module, loss_chunk_tokens: Optional[int] = None) -> GradientRows:
+def index_gradient_rows(
+    index: IndexReader,
+    model: nn.Module,
+    loss_chunk_tokens: Optional[int] = None,
+    settings: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
+) -> GradientRows:
     """The `GradientRows` that make rows like `index`'s with `model`: the index's modules, found by
     name, and its stored spec (projection, seed, ...). `loss_chunk_tokens` changes memory, never
-    the rows (`supervised_token_loss`). Raises `IndexMismatchError` naming each mismatch."""
+    the rows (`supervised_token_loss`). `settings` and `given`: the caller's own `grads.*`
+    settings, checked where given (`index_mismatches`). Raises `IndexMismatchError` naming each
+    mismatch; the model's weights digest is taken once, here."""
     model = unwrap_peft(model)
-    check_matches_index(index, model)
+    check_matches_index(index, model, settings, given)
     linears = dict(model.named_modules())
     modules = {b["name"]: linears[b["name"]] for b in index.meta["modules"]}
     spec = replace(stored_spec(index.meta), loss_chunk_tokens=loss_chunk_tokens)
@@ -168,6 +176,8 @@ def query_gradients(
     forward_context: Optional[ContextManager] = None,
     source: str = "query data",
     loss_chunk_tokens: Optional[int] = None,
+    settings: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
 ) -> torch.Tensor:
     """Projected loss gradients [Q, D] float32 of arbitrary rows, made exactly like `index`'s rows.
 
@@ -179,9 +189,10 @@ def query_gradients(
     parameters' `.grad` are left as they were. Raises `IndexMismatchError` naming each mismatch and
     `DataError` for a row with no supervised token. A `peft.PeftModel` is run as its base model
     (adapters in place), as `GradientIndexer` runs it. `loss_chunk_tokens`: see
-    `supervised_token_loss` (memory only; the rows are the same).
+    `supervised_token_loss` (memory only; the rows are the same). `settings`, `given`: the
+    caller's `grads.*` settings to check against the index where given (`index_mismatches`).
     """
-    gradient_rows = index_gradient_rows(index, model, loss_chunk_tokens)
+    gradient_rows = index_gradient_rows(index, model, loss_chunk_tokens, settings, given)
     if max_seq_length is None:
         max_seq_length = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
     dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)

@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from gradian_lightning.data import IGNORE_INDEX, JsonlDataset, collate
-from gradian_lightning.gradients.batch import BATCH_KEYS
+from gradian_lightning.gradients.batch import BATCH_KEYS, GradientRows
 from gradian_lightning.hub import pad_token_id
+from gradian_lightning.index.layout import module_blocks
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.rows import index_gradient_rows, query_gradients
-from gradian_lightning.query.topk import index_blocks, prepare_queries
+from gradian_lightning.query.topk import prepare_queries
 from gradian_lightning.specs import QuerySpec
 
 
@@ -42,14 +43,21 @@ def token_texts(tokenizer: Any, ids: List[int]) -> List[str]:
     return pieces
 
 
-def token_rows(index: IndexReader, model: nn.Module, tokenizer: Any, row: Dict[str, Any]) -> Dict[str, Any]:
+def token_rows(
+    index: IndexReader,
+    model: nn.Module,
+    tokenizer: Any,
+    row: Dict[str, Any],
+    gradient_rows: Optional[GradientRows] = None,
+) -> Dict[str, Any]:
     """The projected gradient of each supervised token's loss of one data row, as the index's rows are made.
 
     Returns {"tokens": the row's text token by token (str, with the spaces before each), "supervised": bool per token,
     "rows": float32 [S, D], one per supervised token in order}. Their sum is the row's projected
-    gradient (unrounded). Mode, RNG and parameters' .grad are left as they were.
+    gradient (unrounded). Mode, RNG and parameters' .grad are left as they were. `gradient_rows`:
+    `index_gradient_rows(index, model)` when the caller already made it (checked once for many rows).
     """
-    gradient_rows = index_gradient_rows(index, model)
+    gradient_rows = gradient_rows or index_gradient_rows(index, model)
     max_len = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
     example = JsonlDataset([row], tokenizer, max_len, source="token scores").examples[0]
     targets = [t for t in range(1, len(example.labels)) if example.labels[t] != IGNORE_INDEX]
@@ -96,10 +104,11 @@ def query_token_scores(
     spec = spec or QuerySpec()
     queries, transform = prepare_queries(index, query_row[None], spec, "cpu")
     score, normalize = spec.score, spec.normalize
-    blocks = index_blocks(index)
+    blocks = module_blocks(index.meta)
+    made = index_gradient_rows(index, model)
     explained = []
     for row in rows:
-        parts = token_rows(index, model, tokenizer, row)
+        parts = token_rows(index, model, tokenizer, row, made)
         per_token = parts["rows"]
         if transform is not None:
             per_token = transform(per_token)

@@ -22,7 +22,7 @@ import torch
 
 from gradian_lightning.errors import IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
-from gradian_lightning.index.layout import decode, equal_block_size, module_norms
+from gradian_lightning.index.layout import decode, equal_block_size, module_blocks, module_norms
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve
 from gradian_lightning.specs import QuerySpec, spec_from_arguments
@@ -73,12 +73,6 @@ def _unit_modules(
     return rows
 
 
-def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
-    """The index's module blocks ({"offset", "size"} each); an index written without a module layout
-    (by IndexWriter directly) is one block: the row."""
-    return index.meta.get("modules") or [{"offset": 0, "size": int(index.meta["width"])}]
-
-
 def prepare_queries(
     index: IndexReader,
     query_rows: torch.Tensor,
@@ -106,7 +100,7 @@ def prepare_queries(
         transform = transform.to(device)
         queries = transform(queries)
     if spec.score == "cosine" and spec.normalize == "module":
-        blocks = index_blocks(index)
+        blocks = module_blocks(index.meta)
         queries = _unit_modules(queries.clone(), blocks) / len(blocks)  # / M: scores are a mean of cosines
     elif spec.score == "cosine":
         queries = _unit(queries)
@@ -159,6 +153,55 @@ def score_chunk(
     return scores
 
 
+def _scored_chunks(
+    index: IndexReader,
+    query_rows: torch.Tensor | Dict[int, torch.Tensor],
+    spec: QuerySpec,
+    device: Optional[torch.device | str],
+) -> Iterator[Tuple[int, int, np.ndarray, torch.Tensor]]:
+    """(lo, hi, rankable mask [c], scores [Q, c] float32 on `device`) for every chunk of `index`
+    with a rankable row: each chunk read once (ahead, on a worker thread), decoded into one reused
+    buffer and scored as one matmul per checkpoint, the checkpoints' scores weighted and summed.
+    The one scoring loop of `streaming_topk` and `score_all`; their arguments are its own."""
+    if isinstance(query_rows, torch.Tensor):
+        chosen = [(index, query_rows, 1.0)]
+    else:
+        chosen = []
+        for entry, weight in checkpoint_weights(index.checkpoints, spec.checkpoints):
+            step = int(entry["step"])
+            if step not in query_rows:
+                raise IndexMismatchError(
+                    f"query rows were made at checkpoints {sorted(query_rows)} but query.checkpoints={spec.checkpoints!r} needs step {step} of the index at {str(index.path)!r}; make query rows with each checkpoint's weights"
+                )
+            chosen.append((index if step == index.step else index.at(step), query_rows[step], weight))
+    device = torch.device(device) if device is not None else chosen[0][1].device
+    parts = []  # (reader, queries, transform, weight, the reader's method giving the chunk's norms or None)
+    for reader, rows, weight in chosen:
+        # Fisher without whitening every chunk where the index allows it (`uses_whitened_norms`).
+        whitened = uses_whitened_norms(reader, spec)
+        queries, transform = prepare_queries(reader, rows, spec, device, whitened)
+        norms_of = (
+            None
+            if spec.score != "cosine" or transform is not None
+            else reader.whitened_norms
+            if whitened
+            else reader.stored_norms
+        )
+        parts.append((reader, queries, transform, weight, norms_of))
+    buffer: Optional[torch.Tensor] = None  # one float32 chunk, decoded into for every chunk: no fresh pages per chunk
+    for lo, hi, keep, stored in _read_ahead(parts[0][0], [reader for reader, *_ in parts]):
+        if buffer is None or len(buffer) < hi - lo:
+            buffer = torch.empty(hi - lo, stored[0].shape[1])
+        scores = None
+        for (reader, queries, transform, weight, norms_of), chunk in zip(parts, stored):
+            rows = decode(chunk, reader.storage_dtype, out=buffer[: hi - lo]).to(device)
+            part = score_chunk(
+                queries, rows, module_blocks(reader.meta), spec, transform, norms_of(lo, hi) if norms_of else None
+            )
+            scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
+        yield lo, hi, keep, scores
+
+
 def streaming_topk(
     index: IndexReader,
     query_rows: torch.Tensor | Dict[int, torch.Tensor],
@@ -178,39 +221,13 @@ def streaming_topk(
     preconditioner (query/precondition.py) is applied to query and training rows.
     Each chunk is scored as one float32 matmul per checkpoint on `device` (default: the queries').
     """
-    k, bottom_k, checkpoints = spec.rows_wanted(len(index)), spec.bottom_k, spec.checkpoints
-    if isinstance(query_rows, torch.Tensor):
-        chosen = [(index, query_rows, 1.0)]
-    else:
-        chosen = []
-        for entry, weight in checkpoint_weights(index.checkpoints, checkpoints):
-            step = int(entry["step"])
-            if step not in query_rows:
-                raise IndexMismatchError(
-                    f"query rows were made at checkpoints {sorted(query_rows)} but query.checkpoints={checkpoints!r} needs step {step} of the index at {str(index.path)!r}; make query rows with each checkpoint's weights"
-                )
-            chosen.append((index if step == index.step else index.at(step), query_rows[step], weight))
+    k, bottom_k = spec.rows_wanted(len(index)), spec.bottom_k
     first = next(iter(query_rows.values())) if isinstance(query_rows, dict) else query_rows
     device = torch.device(device) if device is not None else first.device
-    parts = []  # (reader, queries, transform, weight, the reader's method giving the chunk's norms or None)
-    for reader, rows, weight in chosen:
-        # Fisher without whitening every chunk where the index allows it (`uses_whitened_norms`).
-        whitened = uses_whitened_norms(reader, spec)
-        queries, transform = prepare_queries(reader, rows, spec, device, whitened)
-        norms_of = (
-            None
-            if spec.score != "cosine" or transform is not None
-            else reader.whitened_norms
-            if whitened
-            else reader.stored_norms
-        )
-        parts.append((reader, queries, transform, weight, norms_of))
     empty = Ranking(
         torch.empty(len(first), 0, dtype=torch.long, device=device), torch.empty(len(first), 0, device=device)
     )
     top, bottom = empty, empty
-    lead = parts[0][0]
-    buffer: Optional[torch.Tensor] = None  # one float32 chunk, decoded into for every chunk: no fresh pages per chunk
     held: list = []  # (scores [Q, c], positions [c]) of chunks not yet merged into top/bottom
 
     def merge() -> None:
@@ -221,18 +238,9 @@ def streaming_topk(
         if bottom_k:
             bottom = _merge(bottom, scores, kept, bottom_k, largest=False)
 
-    for lo, hi, keep, stored in _read_ahead(lead, [reader for reader, *_ in parts]):
-        if buffer is None or len(buffer) < hi - lo:
-            buffer = torch.empty(hi - lo, stored[0].shape[1])
-        scores = None
-        for (reader, queries, transform, weight, norms_of), chunk in zip(parts, stored):
-            # Every row is decoded and scored, and the columns of rows that must go are dropped
-            # afterwards: cheaper than copying the kept rows out of the chunk.
-            rows = decode(chunk, reader.storage_dtype, out=buffer[: hi - lo]).to(device)
-            part = score_chunk(
-                queries, rows, index_blocks(reader), spec, transform, norms_of(lo, hi) if norms_of else None
-            )
-            scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
+    for lo, hi, keep, scores in _scored_chunks(index, query_rows, spec, device):
+        # Every row is decoded and scored, and the columns of rows that must go are dropped
+        # afterwards: cheaper than copying the kept rows out of the chunk.
         kept = torch.arange(lo, hi)
         if not keep.all():
             keep = torch.from_numpy(keep)
@@ -244,6 +252,30 @@ def streaming_topk(
     if held:
         merge()
     return top, (bottom if bottom_k else None)
+
+
+def score_all(
+    index: IndexReader,
+    query_rows: torch.Tensor | Dict[int, torch.Tensor],
+    spec: QuerySpec,
+    *,
+    device: Optional[torch.device | str] = None,
+) -> torch.Tensor:
+    """Every query's score of every row of `index`: float32 [Q, N] on the CPU, NaN where a row is
+    never ranked (not written, not finite, nothing supervised).
+
+    The same scores `streaming_topk` ranks, by the same loop, with the same arguments (`spec`'s
+    preconditioner, normalisation and checkpoints; its top_k and bottom_k are not used): what
+    `gradian validate` and `gradian report` need of every row. Streamed chunk by chunk, so memory
+    is the [Q, N] result plus one chunk.
+    """
+    first = next(iter(query_rows.values())) if isinstance(query_rows, dict) else query_rows
+    out = torch.full((len(first), len(index)), float("nan"))
+    for lo, hi, keep, scores in _scored_chunks(index, query_rows, spec, device):
+        block = scores.cpu()
+        block[:, ~torch.from_numpy(keep)] = float("nan")
+        out[:, lo:hi] = block
+    return out
 
 
 def _read_ahead(

@@ -31,8 +31,9 @@ from gradian_lightning.errors import ConfigError, GradianError, MissingExtraErro
 from gradian_lightning.extras import require_extra
 from gradian_lightning.hub import file_sha256, find_causal_lm, load_tokenizer_and_config, normalized_name
 from gradian_lightning.index.layout import stored_meta
-from gradian_lightning.recipes.query import score_matrix
+from gradian_lightning.recipes.query import dense_scores
 from gradian_lightning.saved_models import load_saved_model
+from gradian_lightning.specs import QuerySpec
 from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, spearman
 from gradian_lightning.validation.retrain import FineTune, fine_tune, query_losses, run_seed
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
@@ -136,8 +137,11 @@ def run_validate(
         "scorers": [],
     }
     per_query: List[Dict[str, Any]] = []
-    for scorer, scoring_cfg in zip(scorers, scoring):
-        lds = linear_datamodeling_score(score_matrix(scoring_cfg, len(queries), len(train_rows)), runs.subsets, outputs)
+    # Every scorer's [Q, N] scores from one set of query rows (`dense_scores`); rows never ranked score 0.
+    matrices = dense_scores(cfg, [QuerySpec.from_config(c.query) for c in scoring])
+    for scorer, matrix in zip(scorers, matrices):
+        scores = np.nan_to_num(matrix.astype(np.float64), nan=0.0)
+        lds = linear_datamodeling_score(scores, runs.subsets, outputs)
         mean, error = mean_and_standard_error(lds)
         report["scorers"].append({"scorer": scorer, "name": scorer_name(scorer), "lds": mean, "standard_error": error})
         per_query += [{"scorer": scorer_name(scorer), "query": q, "lds": _finite(x)} for q, x in enumerate(lds)]
