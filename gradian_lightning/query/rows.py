@@ -96,8 +96,8 @@ def _weights_mismatch(
 ) -> List[str]:
     """[] when `model` holds the weights the index was built with, else the phrase saying what differs.
 
-    By the weights' digest where the index recorded one; for an index from before digests were
-    recorded, or of a sharded model, by the resolved model path."""
+    By the weights' digest where the index recorded one; for the index of a sharded model, which
+    records none (`weights_digest`), by the resolved model path."""
     indexed = theirs.get("weights_sha256")
     if indexed is None:
         name = normalized_name(theirs.get("name_or_path"))
