@@ -66,7 +66,7 @@ from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.token_scores import query_token_scores
 from gradian_lightning.query.topk import Index, Ranking, open_index, score_all, streaming_topk
-from gradian_lightning.recipes.validate import validate
+from gradian_lightning.recipes.validate import run_validate
 from gradian_lightning.specs import IndexSpec, QuerySpec
 
 __all__ = [
@@ -90,7 +90,7 @@ __all__ = [
     "read_jsonl",
     "score_all",
     "select_modules",
+    "run_validate",
     "streaming_topk",
     "supervised_token_loss",
-    "validate",
 ]

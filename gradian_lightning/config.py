@@ -188,7 +188,7 @@ def load_config(path: str | Path | None = None, overrides: List[str] | None = No
         cfg = OmegaConf.merge(schema, *layers)
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None
-    validate(cfg)
+    check_settings(cfg)
     for layer in layers:
         _mark_given(cfg, layer)
     OmegaConf.set_readonly(cfg, True)
@@ -217,7 +217,7 @@ def is_given(cfg: DictConfig, key: str) -> bool:
     return isinstance(node, DictConfig) and leaf in node and bool(node._get_node(leaf)._get_node_flag(_GIVEN))
 
 
-def validate(cfg: DictConfig) -> None:
+def check_settings(cfg: DictConfig) -> None:
     """Check values omegaconf's types cannot express. Raises `ConfigError` with one line."""
     g = cfg.grads
     check(g.batch_size >= 1, "grads.batch_size", g.batch_size, "an integer >= 1")

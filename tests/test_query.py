@@ -79,8 +79,8 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     assert (index.rankable(0, n) == valid).all()
     queries = torch.randn(4, d, generator=g)
     reads = []
-    stored = index.stored
-    monkeypatch.setattr(index, "stored", lambda lo, hi: reads.append((lo, hi)) or stored(lo, hi))
+    stored = index.reader.stored  # the Index reads through its IndexReader
+    monkeypatch.setattr(index.reader, "stored", lambda lo, hi: reads.append((lo, hi)) or stored(lo, hi))
     for k in (1, 4, 5, 7, int(valid.sum()), n, 40):  # k = rankable rows, k = N and k > N
         reads.clear()
         spec = QuerySpec(top_k=k, bottom_k=k, score=score, normalize=normalize, precondition="none")

@@ -35,6 +35,9 @@ def test_score_all_is_the_dense_score_of_the_stored_rows(tmp_path, kind, score, 
     assert torch.isnan(got[:, 11]).all() and torch.isfinite(got[:, keep]).all()  # row 11 is not finite: never ranked
     want = dense(queries, index.rows(slice(None)), blocks, score, normalize)
     np.testing.assert_allclose(got.numpy()[:, keep], want[:, keep], rtol=1e-5, atol=1e-5)
+    # The Index's keyword form takes the QuerySpec's fields, as Index.topk does.
+    same = index.score_all(queries, score=score, normalize=normalize, precondition="none")
+    assert torch.equal(same.isnan(), got.isnan()) and torch.equal(same.nan_to_num(), got.nan_to_num())
 
 
 def test_score_all_gives_the_scores_the_top_k_ranks_under_a_preconditioner(tmp_path):

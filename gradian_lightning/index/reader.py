@@ -39,7 +39,7 @@ METADATA_READ_BYTES = 4 * 2**20
 class IndexReader:
     """Read access to an index: its metadata, per-row arrays and rows decoded to float32.
 
-    `gradian_lightning.open_index(path)` returns its subclass `Index`, which also ranks rows (`topk`).
+    `gradian_lightning.open_index(path)` returns an `Index` (query/topk.py) that holds one and ranks its rows.
     """
 
     def __init__(self, path: str | Path, checkpoint: Optional[int] = None) -> None:

@@ -7,7 +7,8 @@
 Memory is the query rows, two chunks (one scored, one read ahead) and the running [Q, k] state:
 it does not grow with N.
 Rows with zero supervised tokens, NaN/inf gradients or not yet written are never ranked.
-`open_index(path)` returns an `Index`: the store's reader plus `topk`.
+`score_all` gives every row's score by the same loop (for `gradian validate` and `gradian report`).
+`open_index(path)` returns an `Index`: the store's reader and these two, by keyword.
 """
 
 from __future__ import annotations
@@ -309,8 +310,28 @@ def _read_ahead(
                 yield item
 
 
-class Index(IndexReader):
-    """An index opened for querying: `IndexReader` (meta, rows, columns) plus `topk`."""
+class Index:
+    """An index opened for querying: the store's `reader` and the scoring of its rows (`topk`,
+    `score_all`).
+
+    It is not a reader itself (the store knows nothing of scoring): what the reader has (`meta`,
+    `rows`, `column`, `checkpoints`, ...) is looked up on `reader`, so an `Index` goes wherever an
+    `IndexReader` is read, and `at(step)` gives the `Index` of one checkpoint.
+    """
+
+    def __init__(self, path: str | Path | IndexReader, checkpoint: Optional[int] = None) -> None:
+        self.reader = path if isinstance(path, IndexReader) else IndexReader(path, checkpoint)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what Index lacks: the reader's attributes and methods.
+        return getattr(self.__dict__["reader"] if "reader" in self.__dict__ else None, name)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def at(self, step: int) -> "Index":
+        """The same index at checkpoint `step` (one of `checkpoints`)."""
+        return Index(self.reader.at(step))
 
     def topk(
         self,
@@ -328,8 +349,20 @@ class Index(IndexReader):
         (specs.py: score, normalize, precondition, ...). The index is streamed chunk by chunk.
         """
         spec = spec_from_arguments(QuerySpec, "Index.topk", (), {"top_k": k, **settings}, ("query_rows", "k", "device"))
-        top, bottom = streaming_topk(self, query_rows, spec, device=device)
+        top, bottom = streaming_topk(self.reader, query_rows, spec, device=device)
         return Ranking(top.indices, top.scores, opponents=bottom)
+
+    def score_all(
+        self,
+        query_rows: torch.Tensor | Dict[int, torch.Tensor],
+        *,
+        device: Optional[torch.device | str] = None,
+        **settings: Any,
+    ) -> torch.Tensor:
+        """Every query's score of every row, float32 [Q, N], NaN for rows never ranked (`score_all`);
+        `settings` are the `QuerySpec`'s fields, as for `topk`."""
+        spec = spec_from_arguments(QuerySpec, "Index.score_all", (), settings, ("query_rows", "device"))
+        return score_all(self.reader, query_rows, spec, device=device)
 
 
 def open_index(path: str | Path) -> Index:

@@ -1,7 +1,7 @@
 """The `gradian validate` recipe: the Linear Datamodeling Score of the scoring, on the user's own data.
 
     cfg = load_config("my.yaml", ["validate.num_subsets=24"])
-    report = run_validate(cfg)                       # or validate(cfg, module_factory=..., trainer_kwargs=...)
+    report = run_validate(cfg)                       # or run_validate(cfg, module_factory=..., trainer_kwargs=...)
 
 It trains `validate.num_subsets` models on random `validate.alpha`-subsets of `data.train` (a plain
 Lightning fine-tune of the base model; `validate.repeats` runs per subset), records every query's
@@ -24,8 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
-from gradian_lightning.config import require
-from gradian_lightning.config import validate as check_settings
+from gradian_lightning.config import check_settings, require
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError, MissingExtraError
 from gradian_lightning.extras import require_extra
@@ -188,6 +187,3 @@ def _chart(report: Dict[str, Any], path: Path) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
-
-
-validate = run_validate  # gradian_lightning.validate
