@@ -58,3 +58,19 @@ def test_indexed_rows_equal_query_rows_of_a_model_in_train_mode(tmp_path, tokeni
     with torch.no_grad():
         losses = supervised_token_loss(model, batch)
     torch.testing.assert_close(torch.from_numpy(index.column("loss")), losses, rtol=1e-5, atol=1e-6)
+
+
+def test_one_place_builds_a_projector():
+    """Rows cannot be made two ways: GradientRows is the package's only KroneckerProjector construction."""
+    from pathlib import Path
+
+    import gradian_lightning
+
+    package = Path(gradian_lightning.__file__).parent
+    sites = [
+        str(path.relative_to(package))
+        for path in sorted(package.rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if "KroneckerProjector(" in line
+    ]
+    assert sites == ["gradients/batch.py"]
