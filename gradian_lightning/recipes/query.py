@@ -244,9 +244,10 @@ def _answer(
 ) -> Dict[str, Any]:
     q = QuerySpec.from_config(cfg.query)
     which = q.checkpoints
-    if client is not None and len(checkpoint_weights(index.checkpoints, which)) > 1:
+    chosen = len(checkpoint_weights(index.checkpoints, which))
+    if client is not None and chosen > 1:
         raise ConfigError(
-            f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {len(checkpoint_weights(index.checkpoints, which))} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
+            f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {chosen} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
         )
     made = make_query_rows(cfg, index, queries, spec, given, which, keep_models=cfg.query.token_scores)
     rows, readers = made.rows, made.readers
