@@ -133,9 +133,17 @@ class IndexSpec:
         return {**asdict(self), "module_filter": list(self.module_filter)}
 
     def rows_identity(self) -> Dict[str, Any]:
-        """What of the spec the row values depend on, as the fingerprint hashes it (layout.identity):
-        the row settings but the module filter, which counts through the modules it selected."""
-        return {k: getattr(self, k) for k in ROW_SETTINGS if k != "module_filter"}
+        """What of the spec the row values depend on, in the form the fingerprint hashes
+        (layout.identity) and a refusal to resume names ("projection.dim"); the module filter
+        counts through the modules it selected."""
+        return {
+            "projection": {
+                "kind": "kronecker_gaussian" if self.projection_dim else "exact",
+                "dim": self.projection_dim,
+                "seed": self.seed,
+            },
+            "storage_dtype": self.storage_dtype,
+        }
 
 
 # The IndexSpec settings that change memory and time only, never a row; every other one decides the rows.

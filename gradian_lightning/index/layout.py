@@ -131,7 +131,7 @@ def stored_spec(meta: Dict[str, Any]) -> IndexSpec:
 
 
 def identity(meta: Dict[str, Any]) -> Dict[str, Any]:
-    """What an index's rows depend on: the model, the module layout, the row settings of its spec
+    """What an index's rows depend on: the model, the module layout, the projection and storage dtype of its spec
     and the data. The fingerprint hashes it (with num_rows); a refusal to resume names the keys
     that differ."""
     return {  # KeyError for the metadata of an index written by IndexWriter alone: it has no model
