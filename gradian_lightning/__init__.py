@@ -11,7 +11,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
     callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
-      topk.py                  streaming_topk, Ranking, open_index -> Index (IndexReader + topk)
+      topk.py                  streaming_topk, score_all (every row, dense), Ranking, open_index -> Index
       dask_engine.py           dask_topk: the same scoring as Dask reductions on a cluster (query.engine=dask)
       precondition.py          none / diag / fisher from the index's row statistics
       token_scores.py          each supervised token's term of a row's score
@@ -29,7 +29,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       memory.py                the byte arithmetic of that loss's fp32 peak
       projection.py            KroneckerProjector
       recompute.py             MLP blocks (default) or decoder layers re-run in the indexing backward instead of keeping their activations
-      batch.py                 projected_gradients: one batch -> rows
+      batch.py                 GradientRows: (model, batch) -> rows, the one place rows are made
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,
@@ -41,14 +41,14 @@ One batch, indexing:
     JSONL rows --data.JsonlDataset--> examples (input_ids, labels: prompt = -100)
       --data.collate--> padded batch + "index" (dataset positions)
       --Lightning validation loop--> GradientIndexer.on_validation_batch_end   (callback.py)
-      --index.session.IndexSession.compute--> gradients.batch.projected_gradients:
+      --index.session.IndexSession.compute--> gradients.batch.GradientRows (eval mode, RNG forked, all restored):
             LinearCapture hooks on   ->  supervised_token_loss [B] fp32  ->  autograd.grad to the
             module outputs (no parameter .grad)  ->  KroneckerProjector  ->  rows [B, D] float32
       --IndexSession.write--> index.writer.IndexWriter--> zarr `grads` rows and their per-module `norms` at their dataset positions, flags last
 
 One query:
-    JSONL rows --query.rows.query_gradients (the same gradient path, with the modules and
-      projection read back from the index)--> query rows [Q, D]
+    JSONL rows --query.rows.query_gradients (the same GradientRows, with the modules and
+      spec read back from the index)--> query rows [Q, D]
       --query.topk.streaming_topk: index chunks decoded into one buffer, scaled by the stored norms, scored as [Q, c] matmuls,
       merged into a running top-k--> Ranking --recipes.query--> JSONL results
 """
@@ -65,8 +65,8 @@ from gradian_lightning.index.session import IndexSession
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.token_scores import query_token_scores
-from gradian_lightning.query.topk import Index, Ranking, open_index, streaming_topk
-from gradian_lightning.recipes.validate import validate
+from gradian_lightning.query.topk import Index, Ranking, open_index, score_all, streaming_topk
+from gradian_lightning.recipes.validate import run_validate
 from gradian_lightning.specs import IndexSpec, QuerySpec
 
 __all__ = [
@@ -88,8 +88,9 @@ __all__ = [
     "query_gradients",
     "query_token_scores",
     "read_jsonl",
+    "score_all",
     "select_modules",
+    "run_validate",
     "streaming_topk",
     "supervised_token_loss",
-    "validate",
 ]

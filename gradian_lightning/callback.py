@@ -9,7 +9,7 @@ on_exception               rank 0: session.abort (rows computed so far are kept)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import lightning as L
 import torch
@@ -19,7 +19,7 @@ from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import find_causal_lm
 from gradian_lightning.index.layout import read_meta
 from gradian_lightning.index.session import BatchRows, IndexSession
-from gradian_lightning.specs import IndexSpec, is_int
+from gradian_lightning.specs import ROW_SETTINGS, IndexSpec, is_int, spec_from_arguments
 
 
 def check_strategy(strategy: Any) -> None:
@@ -35,6 +35,23 @@ def check_strategy(strategy: Any) -> None:
         )
 
 
+def _check_arguments(dataloader_idx: Any, model_attribute: Any, verbose: Any, every_n_val_runs: Any) -> None:
+    """The callback's own arguments, each refused in one `ConfigError` line (the session checks its own)."""
+    for name, value, ok, allowed in (
+        ("dataloader_idx", dataloader_idx, is_int(dataloader_idx) and dataloader_idx >= 0, "an integer >= 0"),
+        (
+            "model_attribute",
+            model_attribute,
+            model_attribute is None or (isinstance(model_attribute, str) and bool(model_attribute.strip())),
+            "None or a dotted attribute name such as 'model'",
+        ),
+        ("verbose", verbose, isinstance(verbose, bool), "True or False"),
+        ("every_n_val_runs", every_n_val_runs, is_int(every_n_val_runs) and every_n_val_runs >= 1, "an integer >= 1"),
+    ):
+        if not ok:
+            raise ConfigError(f"GradientIndexer({name}={value!r}) is not allowed; use {allowed}")
+
+
 class GradientIndexer(L.Callback):
     """Index every example of one validation dataloader: one projected loss-gradient row each.
 
@@ -48,8 +65,9 @@ class GradientIndexer(L.Callback):
             `{step}` in `path` keeps one index per validation run, keyed by global step; with
             `checkpoints` every run is one checkpoint of one index, with the first optimizer's
             learning rate.
-        module_filter, projection_dim, storage_dtype, seed, loss_chunk_tokens, recompute: the
-            `IndexSpec`'s (specs.py, `grads.*`).
+        spec_values, spec_settings: the `IndexSpec`'s settings (specs.py, `grads.*`), positional
+            in its field order after `path` (`GradientIndexer("ix", "down_proj", 16)`) or by name;
+            an unknown name is refused in one line that lists the valid ones.
         dataloader_idx: which validation dataloader to index.
         model_attribute: dotted attribute of the Hugging Face model (default: the top-most PreTrainedModel).
         verbose: after each run, say on rank 0 what was written.
@@ -63,49 +81,23 @@ class GradientIndexer(L.Callback):
     def __init__(
         self,
         path: str | Path,
-        module_filter: str | Sequence[str] = IndexSpec.module_filter,
-        projection_dim: Optional[int] = IndexSpec.projection_dim,
-        storage_dtype: str = IndexSpec.storage_dtype,
-        seed: int = IndexSpec.seed,
+        *spec_values: Any,
         dataloader_idx: int = 0,
         model_attribute: Optional[str] = None,
         overwrite: bool = False,
         meta: Optional[Dict[str, Any]] = None,
         verbose: bool = True,
         rows_per_chunk: Optional[int] = None,
-        loss_chunk_tokens: Optional[int] = IndexSpec.loss_chunk_tokens,
         checkpoints: bool = False,
         every_n_val_runs: int = 1,
-        recompute: str = IndexSpec.recompute,
+        **spec_settings: Any,
     ) -> None:
-        spec = IndexSpec(
-            module_filter=module_filter,
-            projection_dim=projection_dim,
-            storage_dtype=storage_dtype,
-            seed=seed,
-            recompute=recompute,
-            loss_chunk_tokens=loss_chunk_tokens,
-        )
+        own = ("path", "dataloader_idx", "model_attribute", "overwrite", "meta", "verbose")
+        own += ("rows_per_chunk", "checkpoints", "every_n_val_runs")
+        spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
         options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta}
         self.session = IndexSession(spec, path, overwrite=overwrite, **options)
-        for name, value, ok, allowed in (
-            ("dataloader_idx", dataloader_idx, is_int(dataloader_idx) and dataloader_idx >= 0, "an integer >= 0"),
-            (
-                "model_attribute",
-                model_attribute,
-                model_attribute is None or (isinstance(model_attribute, str) and bool(model_attribute.strip())),
-                "None or a dotted attribute name such as 'model'",
-            ),
-            ("verbose", verbose, isinstance(verbose, bool), "True or False"),
-            (
-                "every_n_val_runs",
-                every_n_val_runs,
-                is_int(every_n_val_runs) and every_n_val_runs >= 1,
-                "an integer >= 1",
-            ),
-        ):
-            if not ok:
-                raise ConfigError(f"GradientIndexer({name}={value!r}) is not allowed; use {allowed}")
+        _check_arguments(dataloader_idx, model_attribute, verbose, every_n_val_runs)
         self.dataloader_idx, self.model_attribute = dataloader_idx, model_attribute
         self.verbose, self.every_n_val_runs = verbose, every_n_val_runs
         self.runs: List[Dict[str, Any]] = []  # finished runs, oldest first: {"step", "path", "rows", "complete"}
@@ -126,11 +118,7 @@ class GradientIndexer(L.Callback):
         )
 
     def _settings(self) -> Dict[str, Any]:
-        return {
-            k: v
-            for k, v in self.session.spec.to_meta().items()
-            if k in ("module_filter", "projection_dim", "storage_dtype", "seed")
-        }
+        return {k: v for k, v in self.session.spec.to_meta().items() if k in ROW_SETTINGS}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"runs": [dict(r) for r in self.runs], "settings": self._settings(), "val_runs": self._val_runs}

@@ -7,7 +7,8 @@ fails here, before a model loads, with one line naming the key, the value and wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -40,19 +41,11 @@ class DataConfig:
 
 
 @dataclass
-class GradsConfig:
+class GradsData:
+    """The `grads.*` keys that say how the data is batched; the rest of `grads.*` is `IndexSpec`'s fields."""
+
     batch_size: int = 4
     max_seq_length: int = 512
-    # The rest is the IndexSpec (specs.py), which holds the defaults and the checks.
-    storage_dtype: str = IndexSpec.storage_dtype
-    # A name, a dotted suffix of a name, a glob, or a list of these (see docs/configuration.md).
-    module_filter: Any = field(default_factory=lambda: list(IndexSpec.module_filter))
-    projection_dim: Optional[int] = IndexSpec.projection_dim
-    seed: int = IndexSpec.seed
-    # Head + fp32 cross-entropy this many supervised tokens at a time (null: all at once).
-    loss_chunk_tokens: Optional[int] = IndexSpec.loss_chunk_tokens
-    # What the backward runs again instead of keeping its activations: mlp | layers | none.
-    recompute: str = IndexSpec.recompute
 
 
 @dataclass
@@ -63,25 +56,39 @@ class IndexConfig:
 
 
 @dataclass
-class QueryConfig:
+class QueryRun:
+    """The `query.*` keys that say what is asked and where results go; the rest is `QuerySpec`'s fields."""
+
     data: Optional[str] = None
-    # top_k ... checkpoints are the QuerySpec (specs.py), which holds the defaults and the checks.
-    top_k: Any = QuerySpec.top_k  # an integer >= 1, or "all": every row, scored (what gradian validate needs)
-    bottom_k: int = QuerySpec.bottom_k
-    score: str = QuerySpec.score
-    normalize: str = (
-        QuerySpec.normalize
-    )  # cosine only: unit-normalise each module's block ("module") or the whole row ("row")
     engine: str = "local"  # "local": stream chunks in this process; "dask": score on a Dask cluster
     dask_scheduler: Optional[str] = None  # engine dask: scheduler address; null starts a LocalCluster
-    # auto | none | diag | fisher | ekfac, from the statistics stored in the index
-    precondition: str = QuerySpec.precondition
-    damping: float = QuerySpec.damping  # relative to the mean eigenvalue of each module's second moment
-    # all | last | [steps]: which checkpoints' scores are summed (a one-checkpoint index: its one)
-    checkpoints: Any = QuerySpec.checkpoints
     output: Optional[str] = None
     # Each result row also gets its supervised tokens' terms of the score (query/token_scores.py).
     token_scores: bool = False
+
+
+# Types omegaconf checks as they are; any other field type (a tuple, Any) is left to the spec's own check.
+_PLAIN_TYPES = (int, float, bool, str, Optional[int], Optional[str], Optional[float])
+
+
+def spec_section(name: str, spec: type, extra: type) -> type:
+    """The structured-config dataclass of one section: `extra`'s fields, then every field of the
+    spec dataclass `spec` with its default, so that a spec field is declared once, in specs.py.
+    The spec checks the values (`IndexSpec.from_config`, `QuerySpec.from_config`)."""
+    hints = typing.get_type_hints(spec)
+    derived = []
+    for f in fields(spec):
+        kind = hints[f.name] if hints[f.name] in _PLAIN_TYPES else Any
+        default = f.default
+        if isinstance(default, (tuple, list)):  # a mutable default for omegaconf: a fresh list each time
+            derived.append((f.name, kind, field(default_factory=lambda d=default: list(d))))
+        else:
+            derived.append((f.name, kind, field(default=default)))
+    return make_dataclass(name, derived, bases=(extra,))
+
+
+GradsConfig = spec_section("GradsConfig", IndexSpec, GradsData)
+QueryConfig = spec_section("QueryConfig", QuerySpec, QueryRun)
 
 
 @dataclass
@@ -181,12 +188,36 @@ def load_config(path: str | Path | None = None, overrides: List[str] | None = No
         cfg = OmegaConf.merge(schema, *layers)
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None
-    validate(cfg)
+    check_settings(cfg)
+    for layer in layers:
+        _mark_given(cfg, layer)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
-def validate(cfg: DictConfig) -> None:
+# The node flag that records a setting the YAML file or the command line gave (`is_given`).
+_GIVEN = "gradian_given"
+
+
+def _mark_given(cfg: DictConfig, layer: DictConfig) -> None:
+    """Flag each `section.key` that `layer` (a YAML file or the overrides) sets in `cfg`."""
+    for section, values in layer.items():
+        if isinstance(values, DictConfig) and isinstance(cfg.get(section), DictConfig):
+            for key in values:
+                if key in cfg[section]:
+                    cfg[section]._get_node(key)._set_flag(_GIVEN, True)
+
+
+def is_given(cfg: DictConfig, key: str) -> bool:
+    """Whether the dotted setting `key` was set by the YAML file or a `key=value` override that
+    `load_config` read, rather than left at the schema's default. A query checks a `grads.*`
+    setting against the index's stored spec only where it was given (recipes/query.py)."""
+    section, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, section) if section else cfg
+    return isinstance(node, DictConfig) and leaf in node and bool(node._get_node(leaf)._get_node_flag(_GIVEN))
+
+
+def check_settings(cfg: DictConfig) -> None:
     """Check values omegaconf's types cannot express. Raises `ConfigError` with one line."""
     g = cfg.grads
     check(g.batch_size >= 1, "grads.batch_size", g.batch_size, "an integer >= 1")

@@ -10,7 +10,7 @@ from there or from the config, never from a second copy.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,6 +40,28 @@ def check(ok: bool, key: str, value: Any, allowed: str) -> None:
     """Raise `ConfigError` in the one format every setting's refusal has."""
     if not ok:
         raise ConfigError(f"setting '{key}'={value!r} is not allowed; use {allowed}")
+
+
+def field_names(spec: type) -> Tuple[str, ...]:
+    """The settings of a spec dataclass (`IndexSpec`, `QuerySpec`), in declaration order."""
+    return tuple(f.name for f in fields(spec))
+
+
+def spec_from_arguments(
+    spec: type, caller: str, values: Sequence[Any], settings: Dict[str, Any], own: Sequence[str]
+) -> Any:
+    """`spec(*values, **settings)` for a `caller` that takes the spec's settings as its own
+    arguments (`GradientIndexer`, `Index.topk`) beside the arguments named in `own`. An unknown
+    keyword, a setting given twice or too many positional values is one `ConfigError` line that
+    lists the valid names; the spec checks the values."""
+    names = field_names(spec)
+    unknown = [k for k in settings if k not in names] + [n for n in names[: len(values)] if n in settings]
+    if unknown or len(values) > len(names):
+        what = f"{unknown[0]}=..." if unknown else f"{len(values)} settings after the first argument"
+        raise ConfigError(
+            f"{caller}({what}) is not allowed: a name unknown, given twice or past the last setting; use {', '.join(own)}, or the {spec.__name__} settings {', '.join(names)} (in this order when positional), each once"
+        )
+    return spec(*values, **settings)
 
 
 def plain(value: Any) -> Any:
@@ -113,7 +135,9 @@ class IndexSpec:
         return {**asdict(self), "module_filter": list(self.module_filter)}
 
     def rows_identity(self) -> Dict[str, Any]:
-        """What of the spec the row values depend on, in the form the fingerprint hashes (layout.identity)."""
+        """What of the spec the row values depend on, in the form the fingerprint hashes
+        (layout.identity) and a refusal to resume names ("projection.dim"); the module filter
+        counts through the modules it selected."""
         return {
             "projection": {
                 "kind": "kronecker_gaussian" if self.projection_dim else "exact",
@@ -122,6 +146,11 @@ class IndexSpec:
             },
             "storage_dtype": self.storage_dtype,
         }
+
+
+# The IndexSpec settings that change memory and time only, never a row; every other one decides the rows.
+MEMORY_SETTINGS = ("recompute", "loss_chunk_tokens")
+ROW_SETTINGS = tuple(name for name in field_names(IndexSpec) if name not in MEMORY_SETTINGS)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class ValidateOnly(L.LightningModule):
 def saved_activation_bytes(model, ids, autocast=None, recompute="none") -> int:
     """All bytes indexing one batch keeps for backward at once (weights themselves excepted).
 
-    The real path, `projected_gradients` without recomputation, from the first layer's modules on
+    The real path, `GradientRows` without recomputation, from the first layer's modules on
     (the graph plan bounds), with one supervised token so that the loss's share is the same at
     every length; each saved tensor is attributed to the decoder layer that saved it, or to none.
     With `recompute` "none" that is everything saved. With "layers" (recompute.py) each layer's own
@@ -130,10 +130,10 @@ def saved_activation_bytes(model, ids, autocast=None, recompute="none") -> int:
     share, and every layer's input (the tensors the recomputation starts from). With "mlp" the same
     for each layer's MLP block: all but the blocks' shares, the largest block's, and the blocks' inputs.
     """
-    from gradian_lightning.gradients.batch import projected_gradients
-    from gradian_lightning.gradients.capture import LinearCapture, select_modules
-    from gradian_lightning.gradients.projection import KroneckerProjector
+    from gradian_lightning.gradients.batch import GradientRows
+    from gradian_lightning.gradients.capture import select_modules
     from gradian_lightning.gradients.recompute import recomputed_units
+    from gradian_lightning.specs import IndexSpec
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}  # storage -> (layer or None, bytes); the first layer to save a storage owns it
@@ -167,9 +167,7 @@ def saved_activation_bytes(model, ids, autocast=None, recompute="none") -> int:
     ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-            projected_gradients(
-                model, batch, LinearCapture(modules), KroneckerProjector(modules, 4, 0), mixed, recompute="none"
-            )
+            GradientRows(model, IndexSpec(projection_dim=4, seed=0, recompute="none"), modules)(batch, mixed)
     finally:
         for hook in hooks:
             hook.remove()

@@ -119,15 +119,15 @@ def test_accelerator_oom_becomes_one_line_with_the_levers(tmp_path, saved_model,
 
     calls = []
 
-    def out_of_memory(model, batch, *args, **kwargs):
+    own_call = session.GradientRows.__call__
+
+    def out_of_memory(self, batch, *args, **kwargs):
         calls.append(batch)
         if len(calls) == 2:  # the second batch fails, as a long batch would
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        from gradian_lightning.gradients.batch import projected_gradients
+        return own_call(self, batch, *args, **kwargs)
 
-        return projected_gradients(model, batch, *args, **kwargs)
-
-    monkeypatch.setattr(session, "projected_gradients", out_of_memory)
+    monkeypatch.setattr(session.GradientRows, "__call__", out_of_memory)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     code, _, err = run(
         capsys, *index_args(tmp_path, saved_model, data, "grads.batch_size=3", "grads.max_seq_length=20")
@@ -163,7 +163,7 @@ def test_other_runtime_errors_pass_through(tmp_path, saved_model, capsys, monkey
     def broken(*args, **kwargs):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
-    monkeypatch.setattr(session, "projected_gradients", broken)
+    monkeypatch.setattr(session.GradientRows, "__call__", broken)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         main(index_args(tmp_path, saved_model, data))

@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, open_index
 from gradian_lightning.data import JsonlDataset, collate
-from gradian_lightning.gradients.batch import projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
-from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.gradients.batch import GradientRows
+from gradian_lightning.gradients.capture import select_modules
+from gradian_lightning.specs import IndexSpec
 
 
 class FineTune(L.LightningModule):
@@ -65,8 +65,8 @@ def test_validate_writes_every_row_at_its_position(tmp_path, model, dataset, inf
     assert index.meta["complete"] and len(index) == len(dataset)
     modules = select_modules(model, ["down_proj", "q_proj"])
     with torch.enable_grad():
-        want, losses = projected_gradients(
-            model, collate(dataset.examples), LinearCapture(modules), KroneckerProjector(modules, 4, 3)
+        want, losses = GradientRows(model, IndexSpec(projection_dim=4, seed=3, recompute="none"), modules)(
+            collate(dataset.examples)
         )
     torch.testing.assert_close(index.rows(slice(None)), want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(index.column("loss"), losses.numpy(), rtol=1e-5)

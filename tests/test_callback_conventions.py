@@ -1,6 +1,7 @@
 """GradientIndexer follows Lightning's conventions: arguments checked at construction, state in
 checkpoints (a resumed fit carries on indexing), printing on rank 0 only."""
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from conftest import make_model
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from gradian_lightning import GradientIndexer, open_index
+from gradian_lightning import GradientIndexer, IndexSpec, open_index
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
 
@@ -42,6 +43,25 @@ def test_bad_arguments_fail_at_construction_with_one_line(kwargs, message):
     with pytest.raises(ConfigError) as err:
         GradientIndexer(**{"path": "ix", **kwargs})
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_the_spec_settings_are_the_index_specs_fields_and_an_unknown_one_is_named():
+    """The callback takes IndexSpec's fields as they are declared there: by position after the
+    path in field order, or by name; anything else is one line listing every valid name."""
+    spec = GradientIndexer("ix", "down_proj", 8, "float32", 3, recompute="none").session.spec
+    assert spec == IndexSpec(
+        module_filter="down_proj", projection_dim=8, storage_dtype="float32", seed=3, recompute="none"
+    )
+    for bad in ({"projection_dims": 8}, {"top_k": 3}):
+        with pytest.raises(ConfigError) as err:
+            GradientIndexer("ix", **bad)
+        line = str(err.value)
+        assert line.startswith(f"GradientIndexer({next(iter(bad))}=...) is not allowed") and "\n" not in line
+        assert all(f.name in line for f in dataclasses.fields(IndexSpec)) and "dataloader_idx" in line
+    with pytest.raises(ConfigError, match=r"GradientIndexer\(module_filter=\.\.\.\) is not allowed"):
+        GradientIndexer("ix", "down_proj", module_filter="q_proj")  # given twice
+    with pytest.raises(ConfigError, match="7 settings after the first argument"):
+        GradientIndexer("ix", "down_proj", 8, "float32", 3, "none", None, 1)
 
 
 class FineTune(L.LightningModule):

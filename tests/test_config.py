@@ -43,3 +43,30 @@ def test_missing_or_broken_file(tmp_path):
     bad.write_text("grads: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_the_grads_and_query_schema_is_derived_from_the_spec_fields():
+    """Each spec field is one schema key with the spec's default: nothing retyped in config.py."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from gradian_lightning.config import GradianConfig, GradsData, QueryRun
+    from gradian_lightning.specs import IndexSpec, QuerySpec
+
+    schema = OmegaConf.structured(GradianConfig)
+    for section, spec, extra in (("grads", IndexSpec, GradsData), ("query", QuerySpec, QueryRun)):
+        keys = [f.name for f in dataclasses.fields(extra)] + [f.name for f in dataclasses.fields(spec)]
+        assert list(schema[section]) == keys
+        assert spec.from_config(schema[section]) == spec()
+
+
+def test_load_config_records_which_settings_were_given(tmp_path):
+    from gradian_lightning.config import is_given
+
+    path = tmp_path / "x.yaml"
+    path.write_text("grads:\n  seed: 0\nquery:\n  top_k: 3\n")
+    cfg = load_config(path, ["grads.projection_dim=8"])
+    assert is_given(cfg, "grads.seed") and is_given(cfg, "grads.projection_dim") and is_given(cfg, "query.top_k")
+    assert not is_given(cfg, "grads.storage_dtype") and not is_given(cfg, "query.score")
+    assert not is_given(load_config(None, []), "grads.seed")  # the default, although equal to the file's 0

@@ -121,3 +121,30 @@ def test_safety_section_states_the_three_promises():
     page = (ROOT / "docs" / "configuration.md").read_text()
     safety = page[page.index("## Safety") :]
     assert "model.trust_remote_code" in safety and "weights_only=True" in safety and "index.path" in safety
+
+
+def documented_rows(section: str) -> Dict[str, str]:
+    """{key: default as written} of the `section.*` rows of docs/configuration.md's tables."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    rows = re.findall(rf"^\| `{section}\.(\w+)` \| [^|]+ \| `([^`]*)`", text, flags=re.M)
+    return dict(rows)
+
+
+def test_the_grads_and_query_rows_of_the_docs_are_the_spec_fields_with_their_defaults():
+    """The docs' grads.* rows are IndexSpec's fields plus the data keys, its query.* rows QuerySpec's
+    plus the run keys: a field added to a spec without its row, or a row whose default is not the
+    spec's, fails here."""
+    import yaml
+
+    from gradian_lightning.config import GradsData, QueryRun
+    from gradian_lightning.specs import IndexSpec, QuerySpec
+
+    for section, spec, extra in (("grads", IndexSpec, GradsData), ("query", QuerySpec, QueryRun)):
+        rows = documented_rows(section)
+        assert set(rows) == {f.name for f in dataclasses.fields(spec)} | {f.name for f in dataclasses.fields(extra)}
+        for f in dataclasses.fields(spec):
+            default = list(f.default) if isinstance(f.default, tuple) else f.default
+            written = yaml.safe_load(rows[f.name])  # the docs write YAML values
+            assert written == default, (
+                f"docs/configuration.md: {section}.{f.name} defaults to {default!r}, not {rows[f.name]}"
+            )

@@ -54,7 +54,7 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy
 trainer.validate(Sharded(make_model(len(tokenizer))), dataloaders=loader, verbose=False)
 weight = trainer.lightning_module.model.lm_head.weight
 if trainer.is_global_zero:
-    print("RESULT " + json.dumps({{"modules": list(indexer.session.modules), "weight": type(weight).__name__, "shard_rows": weight.to_local().shape[0], "rows": weight.shape[0]}}))
+    print("RESULT " + json.dumps({{"modules": list(indexer.session.gradient_rows.modules), "weight": type(weight).__name__, "shard_rows": weight.to_local().shape[0], "rows": weight.shape[0]}}))
 """
 
 
@@ -81,7 +81,9 @@ def test_fsdp2_on_two_cpu_ranks_writes_the_unsharded_rows_and_names(tmp_path):
     assert (
         result["weight"] == "DTensor" and result["shard_rows"] * 2 == result["rows"]
     )  # really sharded: half the head per rank
-    assert result["modules"] == list(plain.session.modules)  # module_filter names the same modules as without FSDP
+    assert result["modules"] == list(
+        plain.session.gradient_rows.modules
+    )  # module_filter names the same modules as without FSDP
     sharded, unsharded = open_index(tmp_path / "sharded"), open_index(tmp_path / "plain")
     assert sharded.meta["complete"] and [b["name"] for b in sharded.meta["modules"]] == [
         b["name"] for b in unsharded.meta["modules"]

@@ -1,14 +1,17 @@
 """Projected rows against exact per-example gradients computed independently (HF loss, weight .grad)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 from gradian_lightning.data import collate, tokenize_row
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.gradients.batch import projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.batch import GradientRows
+from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.specs import IndexSpec
 
 MODULES = ["down_proj", "layers.0.self_attn.q_proj", "layers.1.self_attn.v_proj", "lm_head"]
 
@@ -29,10 +32,10 @@ def exact_gradients(model, example, names):
 
 
 def rows_for(model, batch, modules, dim, seed=0):
-    projector = KroneckerProjector(modules, dim, seed)
+    made = GradientRows(model, IndexSpec(projection_dim=dim, seed=seed, recompute="none"), modules)
     with torch.enable_grad():
-        rows, losses = projected_gradients(model, batch, LinearCapture(modules), projector)
-    return rows, losses, projector
+        rows, losses = made(batch)
+    return rows, losses, made.projector
 
 
 @pytest.mark.parametrize("dim", [4, None])
@@ -108,14 +111,12 @@ def test_projection_is_seeded_by_seed_and_module_name(model):
 def test_chunked_loss_gives_the_same_rows(model, tokenizer, rows, chunk):
     batch = collate(examples(tokenizer, rows))
     modules = select_modules(model, MODULES[:-1])  # the head runs in chunks of its own: it cannot be captured
-    projector = KroneckerProjector(modules, 4, 0)
+    spec = IndexSpec(projection_dim=4, seed=0, recompute="none")
     with pytest.raises(ConfigError, match="head cannot be captured"):
-        projected_gradients(
-            model, batch, LinearCapture(select_modules(model, ["lm_head"])), projector, loss_chunk_tokens=chunk
-        )
+        GradientRows(model, IndexSpec(module_filter="lm_head", loss_chunk_tokens=chunk))(batch)
     with torch.enable_grad():
-        want, want_losses = projected_gradients(model, batch, LinearCapture(modules), projector)
-        got, losses = projected_gradients(model, batch, LinearCapture(modules), projector, loss_chunk_tokens=chunk)
+        want, want_losses = GradientRows(model, spec, modules)(batch)
+        got, losses = GradientRows(model, replace(spec, loss_chunk_tokens=chunk), modules)(batch)
     torch.testing.assert_close(losses, want_losses, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -138,8 +139,8 @@ def test_forward_keeps_no_linear_input_for_weight_gradients(model, tokenizer, ro
     modules = select_modules(model, ["down_proj"])
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            projected_gradients(
-                model, collate(examples(tokenizer, rows[:3])), LinearCapture(modules), KroneckerProjector(modules, 4, 0)
+            GradientRows(model, IndexSpec(projection_dim=4, seed=0, recompute="none"), modules)(
+                collate(examples(tokenizer, rows[:3]))
             )
     finally:
         for h in hooks:

@@ -79,8 +79,8 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(tmp_path, monkeyp
     assert (index.rankable(0, n) == valid).all()
     queries = torch.randn(4, d, generator=g)
     reads = []
-    stored = index.stored
-    monkeypatch.setattr(index, "stored", lambda lo, hi: reads.append((lo, hi)) or stored(lo, hi))
+    stored = index.reader.stored  # the Index reads through its IndexReader
+    monkeypatch.setattr(index.reader, "stored", lambda lo, hi: reads.append((lo, hi)) or stored(lo, hi))
     for k in (1, 4, 5, 7, int(valid.sum()), n, 40):  # k = rankable rows, k = N and k > N
         reads.clear()
         spec = QuerySpec(top_k=k, bottom_k=k, score=score, normalize=normalize, precondition="none")
@@ -103,7 +103,8 @@ def test_inner_and_cosine_on_hand_built_rows(tmp_path):
     inner = index.topk(query, 4, score="inner", precondition="none")
     assert inner.indices.tolist() == [[0, 1, 3, 2]]
     assert inner.scores.tolist() == [[20.0, 2.0, 0.0, -4.0]]
-    cosine, opponents = index.topk(query, 2, score="cosine", bottom_k=1, precondition="none")
+    cosine = index.topk(query, 2, score="cosine", bottom_k=1, precondition="none")
+    opponents = cosine.opponents
     assert cosine.indices.tolist() == [[1, 0]]
     torch.testing.assert_close(cosine.scores, torch.tensor([[1.0, 2**-0.5]]))
     assert opponents.indices.tolist() == [[2]] and opponents.scores.tolist() == [[-1.0]]
@@ -255,3 +256,10 @@ def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, c
     assert "grads.projection_dim is 4 here but 8 in the index; grads.seed is 1 here but 0 in the index" in err
     assert main(["query", *common, "query.data=null"]) == 2
     assert "setting 'query.data' is required" in capsys.readouterr().err
+    # Without any grads.* setting the query reads the index's stored spec (k = 8, the index's
+    # modules): the same results as with them repeated.
+    bare = [f"model.name_or_path={saved_model}", f"index.path={tmp_path / 'ix'}", "trainer.accelerator=cpu"]
+    again = tmp_path / "out" / "bare.jsonl"
+    args = [f"query.data={train}", "query.top_k=3", "query.bottom_k=2", f"query.output={again}"]
+    assert main(["query", *bare, *args]) == 0
+    assert [json.loads(line) for line in again.read_text().splitlines()] == results

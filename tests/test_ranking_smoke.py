@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
-from gradian_lightning.gradients.batch import projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
+from gradian_lightning.gradients.batch import GradientRows
+from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
+from gradian_lightning.specs import IndexSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ranking_quality as rq  # noqa: E402
@@ -43,12 +44,11 @@ def test_one_backward_serves_every_filter(setup):
     rows = rq.gradient_rows(model, tokenizer, queries, projs, modules, batch_size=2)
     for dim in (8, None):
         chosen = select_modules(model, ["mlp.down_proj", "o_proj"])
-        projector = KroneckerProjector(chosen, dim, seed=0)
-        capture = LinearCapture(chosen)
+        made = GradientRows(model, IndexSpec(projection_dim=dim, seed=0, recompute="none"), chosen)
         dataset = JsonlDataset(queries, tokenizer, max_seq_length=128)
         batch = collate([dataset[i] for i in range(len(dataset))], pad_token_id=tokenizer.pad_token_id)
         with torch.enable_grad():
-            expected, _ = projected_gradients(model, batch, capture, projector)
+            expected, _ = made(batch)
         keep = lambda n: n.endswith("down_proj") or n.endswith("o_proj")  # noqa: E731
         blocks = rq.block_columns(projs[(dim, 0)], keep)
         got = torch.cat([rows[(dim, 0)][:, o : o + s] for o, s in blocks], dim=1)

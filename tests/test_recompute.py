@@ -8,12 +8,11 @@ from conftest import ROWS, ValidateOnly, make_model
 from test_gradients import examples
 from torch.utils.data import DataLoader
 
-from gradian_lightning import GradientIndexer, open_index
+from gradian_lightning import GradientIndexer, IndexSpec, open_index
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.gradients.batch import projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
-from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.gradients.batch import GradientRows
+from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.recompute import decoder_layers, recomputed_modules, recomputed_units
 
 
@@ -21,12 +20,16 @@ def batch_of(tokenizer):
     return collate(examples(tokenizer, ROWS[:3]))
 
 
+def rows_of(model, modules, batch, recompute):
+    """The rows and losses of `batch` at k = 4, seed 0, recomputing `recompute`."""
+    return GradientRows(model, IndexSpec(projection_dim=4, seed=0, recompute=recompute), modules)(batch)
+
+
 @pytest.mark.parametrize("what", ["layers", "mlp"])
 def test_recomputed_rows_equal_kept_ones_and_the_model_is_untouched(tokenizer, what):
     model = make_model(len(tokenizer), hidden=64, layers=3)
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)  # a frozen weight stays frozen
     modules = select_modules(model, ["down_proj", "q_proj"])
-    projector = KroneckerProjector(modules, 4, 0)
     calls = []
     unit = recomputed_units(model, what)[2]
     assert unit is (model.model.layers[2] if what == "layers" else model.model.layers[2].mlp)
@@ -39,11 +42,9 @@ def test_recomputed_rows_equal_kept_ones_and_the_model_is_untouched(tokenizer, w
     torch.manual_seed(5)
     rng = torch.get_rng_state()
     with torch.enable_grad():
-        kept, kept_losses = projected_gradients(
-            model, batch_of(tokenizer), LinearCapture(modules), projector, recompute="none"
-        )
+        kept, kept_losses = rows_of(model, modules, batch_of(tokenizer), "none")
         assert len(calls) == 1
-        got, losses = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute=what)
+        got, losses = rows_of(model, modules, batch_of(tokenizer), what)
     assert len(calls) == 3  # the forward and its recomputation both went through the instance's own forward
     torch.testing.assert_close(got, kept, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(losses, kept_losses, rtol=0, atol=0)
@@ -56,10 +57,11 @@ def test_recomputed_rows_equal_kept_ones_and_the_model_is_untouched(tokenizer, w
 def test_a_failing_backward_leaves_the_layers_as_they_were(tokenizer):
     model = make_model(len(tokenizer), hidden=32, layers=2)
     modules = select_modules(model, ["down_proj"])
-    capture = LinearCapture(modules)
+    made = GradientRows(model, IndexSpec(projection_dim=4, recompute="layers"), modules)
+    capture = made.capture
     capture.output_grads = lambda loss: (_ for _ in ()).throw(RuntimeError("killed in the backward"))
     with pytest.raises(RuntimeError, match="killed in the backward"), torch.enable_grad():
-        projected_gradients(model, batch_of(tokenizer), capture, KroneckerProjector(modules, 4, 0), recompute="layers")
+        made(batch_of(tokenizer))
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
     assert not capture._recomputing and not capture.outputs
 
@@ -152,9 +154,8 @@ def test_units_a_wrapper_already_checkpoints_are_left_to_it(tokenizer):
     assert recomputed_units(model, "layers") == [layers[0], layers[2]]
     assert recomputed_units(model, "none") == []
     modules = select_modules(model, ["down_proj"])
-    projector = KroneckerProjector(modules, 4, 0)
     with torch.enable_grad():
-        kept, _ = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute="none")
+        kept, _ = rows_of(model, modules, batch_of(tokenizer), "none")
         for what in ("mlp", "layers"):
-            got, _ = projected_gradients(model, batch_of(tokenizer), LinearCapture(modules), projector, recompute=what)
+            got, _ = rows_of(model, modules, batch_of(tokenizer), what)
             torch.testing.assert_close(got, kept, rtol=1e-6, atol=1e-7)

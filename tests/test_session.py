@@ -1,19 +1,17 @@
 """`IndexSession` without Lightning, `GradientIndexer.on_exception`, and indexes of the metadata format before `spec`."""
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 import zarr
 from test_callback import trainer
 from torch.utils.data import DataLoader
 
-from gradian_lightning import GradientIndexer, IndexSession, IndexSpec, open_index, query_gradients
+from gradian_lightning import GradientIndexer, IndexSession, IndexSpec, open_index
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import GradianError
-from gradian_lightning.gradients.batch import projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
-from gradian_lightning.gradients.projection import KroneckerProjector
+from gradian_lightning.gradients.batch import GradientRows
+from gradian_lightning.gradients.capture import select_modules
 
 SPEC = IndexSpec(module_filter=("down_proj", "q_proj"), projection_dim=4, storage_dtype="float32", seed=3)
 
@@ -42,8 +40,8 @@ def exact_rows(model, dataset):
     """The rows by the gradient path alone, one batch of every example: the independent reference."""
     modules = select_modules(model, SPEC.module_filter)
     with torch.enable_grad():
-        rows, _ = projected_gradients(
-            model, collate(dataset.examples), LinearCapture(modules), KroneckerProjector(modules, 4, 3)
+        rows, _ = GradientRows(model, IndexSpec(projection_dim=4, seed=3, recompute="none"), modules)(
+            collate(dataset.examples)
         )
     return rows
 
@@ -102,46 +100,3 @@ def test_an_exception_keeps_the_rows_computed_before_it_and_the_rerun_resumes(tm
     index = open_index(tmp_path / "ix")
     assert index.meta["complete"]
     torch.testing.assert_close(index.rows(slice(None)), exact_rows(model, dataset), rtol=1e-4, atol=1e-6)
-
-
-def as_written_before_spec(meta):
-    """The metadata an index had before `spec` existed (gradian up to issue 20): the same settings,
-    copied under "indexer", "projection", "identity" and a top-level "storage_dtype"."""
-    old = {k: v for k, v in meta.items() if k != "spec"}
-    spec = meta["spec"]
-    projection = {"kind": "kronecker_gaussian", "dim": spec["projection_dim"], "seed": spec["seed"]}
-    old["indexer"] = {
-        "path": "ix",
-        "module_filter": spec["module_filter"],
-        "projection_dim": spec["projection_dim"],
-        "storage_dtype": spec["storage_dtype"],
-        "seed": spec["seed"],
-        "dataloader_idx": 0,
-    }
-    old["projection"], old["storage_dtype"] = projection, spec["storage_dtype"]
-    old["identity"] = {
-        "model": meta["model"]["name_or_path"],
-        "modules": meta["modules"],
-        "projection": projection,
-        "storage_dtype": spec["storage_dtype"],
-        "data": meta.get("data"),
-    }
-    return old
-
-
-def test_an_index_of_the_format_before_spec_is_read_queried_and_resumed(tmp_path, model, tokenizer, rows, dataset):
-    validate(tmp_path, GradientIndexer(tmp_path / "ix", **SPEC.to_meta()), model, dataset)
-    new = open_index(tmp_path / "ix")
-    want_rows, want_queries = new.rows(slice(None)), query_gradients(new, model, tokenizer, rows[:2])
-    group = zarr.open_group(str(tmp_path / "ix"), mode="r+")
-    group.attrs["gradian"] = as_written_before_spec(dict(group.attrs["gradian"]))
-    old = open_index(tmp_path / "ix")
-    assert old.storage_dtype == "float32" and "spec" not in old.meta
-    assert torch.equal(old.rows(slice(None)), want_rows)
-    assert torch.equal(query_gradients(old, model, tokenizer, rows[:2]), want_queries)
-    top = old.topk(want_queries, k=len(rows), precondition="none")
-    np.testing.assert_array_equal(top.indices, new.topk(want_queries, k=len(rows), precondition="none").indices)
-    # The same job by this gradian: the fingerprint is the same, so the index is resumed, not refused.
-    indexer = GradientIndexer(tmp_path / "ix", **SPEC.to_meta())
-    validate(tmp_path, indexer, model, dataset)
-    assert indexer.summary["kept_rows"] == len(dataset) and indexer.summary["computed_rows"] == 0

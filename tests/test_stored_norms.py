@@ -80,7 +80,8 @@ def test_stored_norms_score_exactly_like_computed_ones_and_like_float64(tmp_path
     assert norms[6].abs().sum() == 0 and norms[11].abs().sum() == 0 and (norms[9, 0] == 0) == (blocks is not None)
     queries = torch.randn(4, D, generator=torch.Generator().manual_seed(1))
     queries[1] = 0.0  # a zero query scores 0 everywhere, not NaN
-    top, bottom = index.topk(queries, N, bottom_k=N, precondition="none")
+    top = index.topk(queries, N, bottom_k=N, precondition="none")
+    bottom = top.opponents
     assert torch.isfinite(top.scores).all() and torch.isfinite(bottom.scores).all()
     assert top.indices.shape == (4, N - 1)  # row 11 (NaN) is never ranked
     want = reference_scores(queries, stored, blocks)
@@ -88,7 +89,8 @@ def test_stored_norms_score_exactly_like_computed_ones_and_like_float64(tmp_path
         top.scores.numpy(), np.take_along_axis(want, top.indices.numpy(), axis=1), rtol=1e-5, atol=1e-6
     )
     # The same index without its stored norms (as written before they existed) computes them: same bits, same ranking.
-    old_top, old_bottom = without_norms(tmp_path / "ix").topk(queries, N, bottom_k=N, precondition="none")
+    old_top = without_norms(tmp_path / "ix").topk(queries, N, bottom_k=N, precondition="none")
+    old_bottom = old_top.opponents
     assert torch.equal(old_top.indices, top.indices) and torch.equal(old_top.scores, top.scores)
     assert torch.equal(old_bottom.indices, bottom.indices) and torch.equal(old_bottom.scores, bottom.scores)
 

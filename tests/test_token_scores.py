@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gradian_lightning.cli import main
 from gradian_lightning.data import IGNORE_INDEX, JsonlDataset, collate
 from gradian_lightning.gradients.loss import supervised_token_loss
-from gradian_lightning.query.rows import index_projector, query_gradients
+from gradian_lightning.query.rows import index_gradient_rows, query_gradients
 from gradian_lightning.query.token_scores import query_token_scores, token_rows
 from gradian_lightning.query.topk import open_index
 from gradian_lightning.specs import QuerySpec
@@ -37,7 +37,8 @@ def test_each_token_row_is_that_tokens_projected_loss_gradient(indexed):
     index, model, tokenizer = indexed
     row = ROWS[2]
     parts = token_rows(index, model, tokenizer, row)
-    modules, projector = index_projector(index, model)
+    made = index_gradient_rows(index, model)
+    modules, projector = made.modules, made.projector
     example = JsonlDataset([row], tokenizer, 64).examples[0]
     targets = [t for t in range(1, len(example.labels)) if example.labels[t] != IGNORE_INDEX]
     assert len(parts["rows"]) == len(targets) == sum(parts["supervised"]) > 1

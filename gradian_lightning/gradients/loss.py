@@ -28,7 +28,6 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from gradian_lightning.data import IGNORE_INDEX
@@ -53,11 +52,6 @@ def supervised_targets(labels: torch.Tensor) -> torch.Tensor:
 def _accepts_logits_to_keep(model_class: type) -> bool:
     # Once per model class, not per batch: inspecting a signature is slow next to a tiny model's step.
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
-
-
-def _call(module: nn.Module, parameters: Optional[Dict[str, torch.Tensor]], **kwargs: Any) -> Any:
-    # functional_call swaps the tensors in for this call only and puts the module's own back after.
-    return module(**kwargs) if parameters is None else functional_call(module, parameters, (), kwargs, strict=False)
 
 
 # Rows of the logits exponentiated at once in the log-sum-exp: its temporary is [LSE_ROWS, vocab], not [n, vocab].
@@ -112,7 +106,6 @@ def _chunked_token_loss(
     keep: torch.Tensor,
     targets: torch.Tensor,
     chunk_tokens: int,
-    parameters: Optional[Dict[str, torch.Tensor]],
 ) -> torch.Tensor:
     """Token losses [n_supervised] fp32 from the decoder's hidden states, head + cross-entropy in checkpointed chunks."""
     if chunk_tokens < 1:
@@ -132,16 +125,10 @@ def _chunked_token_loss(
         raise ConfigError(
             f"setting 'grads.loss_chunk_tokens'={chunk_tokens} cannot be used with {type(model).__name__}: {why}; set grads.loss_chunk_tokens=null"
         )
-    names = {id(m): n for n, m in model.named_modules()}
-    prefix = names[id(decoder)] + "."
-    decoder_parameters = (
-        None if parameters is None else {n[len(prefix) :]: p for n, p in parameters.items() if n.startswith(prefix)}
-    )
-    hidden = _call(decoder, decoder_parameters, **inputs, use_cache=False).last_hidden_state[keep]  # [n_supervised, H]
-    head_name = names[id(head)]
-    # The head's tensors are read now, not at recompute time: detached ones stay detached in the backward.
-    weight = head.weight if parameters is None else parameters.get(f"{head_name}.weight", head.weight)
-    bias = head.bias if parameters is None or head.bias is None else parameters.get(f"{head_name}.bias", head.bias)
+    hidden = decoder(**inputs, use_cache=False).last_hidden_state[keep]  # [n_supervised, H]
+    # The head's tensors are read now, not at recompute time: ones that `functional_call` swapped
+    # in for this call (GradientRows' detached parameters) stay in use in the backward.
+    weight, bias = head.weight, head.bias
     parts = [
         checkpoint(
             _head_cross_entropy,
@@ -160,7 +147,6 @@ def supervised_token_loss(
     model: nn.Module,
     batch: Dict[str, torch.Tensor],
     chunk_tokens: Optional[int] = None,
-    parameters: Optional[Dict[str, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Per-example loss: the sum of token cross-entropies over supervised positions, in fp32.
 
@@ -168,10 +154,7 @@ def supervised_token_loss(
     supervised; the causal shift is applied here). Returns float32 [B], nats. A row with no
     supervised token gets exactly 0. Summing (not averaging) keeps examples' gradients independent.
     `chunk_tokens`: run the head and cross-entropy that many supervised tokens at a time,
-    recomputed in the backward (bounded fp32 peak, same losses). `parameters` (name -> tensor, as
-    `named_parameters()`): run the forward with these in place of the model's own, through
-    `torch.func.functional_call` (e.g. detached copies, so that autograd keeps nothing for weight
-    gradients); the model is left as it was.
+    recomputed in the backward (bounded fp32 peak, same losses).
     """
     labels = batch["labels"]
     keep = supervised_targets(labels)  # [B, T]
@@ -179,17 +162,17 @@ def supervised_token_loss(
     rows = keep.nonzero()[:, 0]  # example of each supervised position, [n_supervised]
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
     if chunk_tokens is not None:
-        token_loss = _chunked_token_loss(model, inputs, keep, targets, chunk_tokens, parameters)
+        token_loss = _chunked_token_loss(model, inputs, keep, targets, chunk_tokens)
     else:
         if _accepts_logits_to_keep(type(model)):
-            logits = _call(model, parameters, **inputs, logits_to_keep=keep, use_cache=False).logits
+            logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits
             if logits.shape[:-1] != targets.shape:
                 raise GradianError(
                     f"{type(model).__name__} ignored the boolean logits_to_keep mask (logits {tuple(logits.shape)}); "
                     "upgrade transformers to a version whose forward accepts a 2-D bool logits_to_keep"
                 )
         else:
-            logits = _call(model, parameters, **inputs, use_cache=False).logits[keep]
+            logits = model(**inputs, use_cache=False).logits[keep]
         token_loss = token_cross_entropy(logits.float(), targets)  # [n_supervised] fp32
     losses = torch.zeros(labels.shape[0], dtype=torch.float32, device=labels.device)
     return losses.index_add(0, rows, token_loss)

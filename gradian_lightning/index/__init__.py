@@ -1,1 +1,1 @@
-"""The on-disk zarr index (layout, writer, reader) and the Lightning callback that fills it (see the package docstring)."""
+"""The on-disk zarr index: its layout, writer, reader, statistics and checkpoints, and `IndexSession`, which writes one from batches (see the package docstring). It knows nothing of scoring or Lightning."""

@@ -21,9 +21,7 @@ Row i is dataset position i, whatever order rows arrive in. Metadata attribute "
 the rows were made with, specs.py: module filter, projection dim and seed, storage dtype, ...),
 `fingerprint` (a hash of `identity(meta)` and num_rows: what must match to resume), `global_step`,
 and what the writer was given: the module layout, model, data, package versions and the CLI's
-config (its `grads` section without the spec's keys). Indexes written before `spec` existed hold
-`storage_dtype`, `projection` {kind, dim, seed}, `indexer` and `identity` instead; `stored_spec`
-and `identity` read both.
+config (its `grads` section without the spec's keys).
 
 Readable with plain zarr: `zarr.open_group(path)["grads"][:10]`. `index.path` may be an fsspec URL
 (s3://, gs://, file://, memory://): `location.py` opens it.
@@ -34,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -99,6 +97,12 @@ def equal_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[i
     return None
 
 
+def module_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The module blocks ({"name", "offset", "size", ...}) that tile an index's rows, from its
+    metadata; an index written by `IndexWriter` alone, without a module layout, is one block: the row."""
+    return list(meta.get("modules") or [{"name": "row", "offset": 0, "size": int(meta["width"])}])
+
+
 def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
     """float32 [n, M]: the L2 norm of each module block ({"offset", "size"}) of float32 `rows` [n, D].
 
@@ -118,30 +122,18 @@ def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.
 
 def storage_dtype_of(meta: Dict[str, Any]) -> str:
     """The dtype the rows of an index with metadata `meta` are stored in."""
-    return meta["spec"]["storage_dtype"] if "spec" in meta else meta["storage_dtype"]
+    return meta["spec"]["storage_dtype"]
 
 
 def stored_spec(meta: Dict[str, Any]) -> IndexSpec:
-    """The `IndexSpec` an index's rows were made with, from its metadata (any format version 1 index)."""
-    if "spec" in meta:
-        return IndexSpec(**meta["spec"])
-    # Written before `spec` existed: the same settings, under the names of the day.
-    indexer, projection = meta.get("indexer") or {}, meta.get("projection") or {}
-    grads = (meta.get("config") or {}).get("grads") or {}
-    return IndexSpec(
-        module_filter=indexer.get("module_filter") or grads.get("module_filter") or IndexSpec.module_filter,
-        projection_dim=projection.get("dim"),
-        storage_dtype=meta["storage_dtype"],
-        seed=projection.get("seed", 0),
-    )
+    """The `IndexSpec` an index's rows were made with, from its metadata."""
+    return IndexSpec(**meta["spec"])
 
 
 def identity(meta: Dict[str, Any]) -> Dict[str, Any]:
-    """What an index's rows depend on: the model, the module layout, the projection, the storage
-    dtype and the data. The fingerprint hashes it (with num_rows); a refusal to resume names the
-    keys that differ. Indexes written before `spec` existed stored it as "identity"."""
-    if "identity" in meta:
-        return dict(meta["identity"])
+    """What an index's rows depend on: the model, the module layout, the projection and storage dtype of its spec
+    and the data. The fingerprint hashes it (with num_rows); a refusal to resume names the keys
+    that differ."""
     return {  # KeyError for the metadata of an index written by IndexWriter alone: it has no model
         "model": meta["model"].get("name_or_path"),
         "modules": meta["modules"],

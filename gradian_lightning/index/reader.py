@@ -14,15 +14,22 @@ import zarr
 
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.checkpoints import checkpoint_entries
-from gradian_lightning.index.layout import ATTRIBUTE, NORMS, decode, has_member, read_meta, storage_dtype_of
+from gradian_lightning.index.layout import (
+    ATTRIBUTE,
+    NORMS,
+    decode,
+    has_member,
+    module_blocks,
+    read_meta,
+    storage_dtype_of,
+)
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
-    GROUP,
+    STATISTICS_GROUP,
     WHITENED_DAMPING,
     WHITENED_NORMS,
     RowStatistics,
     counted,
-    layout_blocks,
 )
 
 # Bytes of per-row arrays (flags, norms) one read fetches while streaming: see `IndexReader._span`.
@@ -32,7 +39,7 @@ METADATA_READ_BYTES = 4 * 2**20
 class IndexReader:
     """Read access to an index: its metadata, per-row arrays and rows decoded to float32.
 
-    `gradian_lightning.open_index(path)` returns its subclass `Index`, which also ranks rows (`topk`).
+    `gradian_lightning.open_index(path)` returns an `Index` (query/topk.py) that holds one and ranks its rows.
     """
 
     def __init__(self, path: str | Path, checkpoint: Optional[int] = None) -> None:
@@ -62,7 +69,7 @@ class IndexReader:
             self.group[NORMS] if has_member(self.group, NORMS, zarr.Array) else None
         )  # absent in older indexes
         self._blocks: Dict[str, Tuple[int, torch.Tensor]] = {}  # name -> (first row, cached rows) for `_per_row`
-        stats = self.group[GROUP] if has_member(self.group, GROUP, zarr.Group) else None
+        stats = self.group[STATISTICS_GROUP] if has_member(self.group, STATISTICS_GROUP, zarr.Group) else None
         # The damping the stored whitened norms are for; None when there are none (or a close was killed before it said so).
         self.whitened_damping: Optional[float] = stats.attrs.get(WHITENED_DAMPING) if stats is not None else None
         self._whitened_array = stats[WHITENED_NORMS] if self.whitened_damping is not None else None
@@ -144,7 +151,7 @@ class IndexReader:
         stored = RowStatistics.load(self.group, gram)
         if stored is not None:
             return stored
-        stats = RowStatistics.empty(layout_blocks(self.meta), int(self.meta["width"]))
+        stats = RowStatistics.empty(module_blocks(self.meta), int(self.meta["width"]))
         for lo, rows in self.chunks():
             hi = lo + len(rows)
             keep = self.group["complete"][lo:hi] & counted(

@@ -4,7 +4,7 @@
     session.bind(model)                                # the Hugging Face model: modules, projection, hooks
     session.begin(num_rows=len(dataset))               # opens, or resumes, the index: bool [N] rows to do
     for batch in loader:
-        session.add(batch)                             # compute: gradients/batch.py -> rows [B, D]
+        session.add(batch)                             # compute: GradientRows (gradients/batch.py) -> rows [B, D]
                                                        # write:   IndexWriter, rows at their dataset positions
     summary = session.finish()                         # or, after an exception, session.abort()
 
@@ -15,7 +15,6 @@ writes them all (`write`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import warnings
@@ -28,14 +27,9 @@ import torch
 from torch import nn
 
 from gradian_lightning.errors import ConfigError, DeviceOutOfMemoryError, GradianError
-from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
-from gradian_lightning.gradients.loss import LOSS_KIND, supervised_targets
+from gradian_lightning.gradients.batch import GradientRows
+from gradian_lightning.gradients.loss import supervised_targets
 from gradian_lightning.gradients.memory import SUGGESTED_LOSS_CHUNK_TOKENS, fp32_logit_bytes, human_bytes
-from gradian_lightning.gradients.peft import unwrap_peft
-from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.gradients.weights import weights_digest
-from gradian_lightning.hub import describe_model
 from gradian_lightning.index.checkpoints import register_checkpoint
 from gradian_lightning.index.layout import fingerprint, identity
 from gradian_lightning.index.location import Location
@@ -98,7 +92,7 @@ class IndexSession:
         self.overwrite, self.rows_per_chunk, self.checkpoints = overwrite, rows_per_chunk, checkpoints
         self.extra_meta = dict(meta or {})
         self.summaries: List[Dict[str, Any]] = []  # what each finish() wrote, oldest first
-        self.model: Optional[nn.Module] = None
+        self.gradient_rows: Optional[GradientRows] = None
         self._writer: Optional[IndexWriter] = None
         self._checkpoint: Optional[Tuple[str, int, Optional[float]]] = None
         self._label: Optional[Tuple[int, Optional[float]]] = None
@@ -107,12 +101,14 @@ class IndexSession:
 
     # -- the model -------------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> None:
-        """Use `model` (a Hugging Face causal LM, or its PEFT base model) from now on: its selected
-        modules, their Kronecker projection and the hooks that capture them."""
-        self.model = model = unwrap_peft(model)  # a PeftModel runs as its base model, adapters in place
-        self.modules = select_modules(model, self.spec.module_filter)
-        self.projector = KroneckerProjector(self.modules, self.spec.projection_dim, self.spec.seed)
-        self.capture = LinearCapture(self.modules)
+        """Make rows with `model` (a Hugging Face causal LM, or a PEFT model) from now on: its
+        selected modules, their Kronecker projection and the hooks that capture them (`GradientRows`)."""
+        self.gradient_rows = GradientRows(model, self.spec)
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        """The bound model (a PEFT model's base model), or None before `bind`."""
+        return self.gradient_rows.model if self.gradient_rows is not None else None
 
     def checkpoint_as(self, step: int, lr: Optional[float] = None) -> None:
         """Key the next `begin` by `step` and `lr`, whatever its caller passes: a saved model
@@ -126,22 +122,17 @@ class IndexSession:
     def describe(self, num_rows: int, step: int) -> Dict[str, Any]:
         """The metadata of an index of `num_rows` rows made by the bound model at `step`."""
         given = self.extra_meta.get("model") or {}
+        made = self.gradient_rows.describe(given.get("name_or_path"))
+        # The weights digest is not in the identity: re-indexing a fit's later step, with other
+        # weights, replaces the index of the same job.
         meta = {
             **self.extra_meta,
             "spec": self.spec.to_meta(),
-            "model": {
-                **describe_model(self.model, given.get("name_or_path")),
-                # What a query's model must hold (query/rows.py); not in the identity: re-indexing a
-                # fit's later step, with other weights, replaces the index of the same job.
-                "weights_sha256": weights_digest(self.model),
-                "revision": given.get("revision"),
-            },
-            "modules": self.projector.describe(),
-            "loss": {"kind": LOSS_KIND, "dtype": "float32"},
+            **made,
+            "model": {**made["model"], "revision": given.get("revision")},
             "versions": package_versions(),
             "global_step": int(step),
             "num_rows": num_rows,
-            "width": self.projector.width,
         }
         return {**meta, "fingerprint": fingerprint({**identity(meta), "num_rows": num_rows})}
 
@@ -159,7 +150,7 @@ class IndexSession:
             meta["lr"] = lr
             self._checkpoint = (path, int(step), lr)
             path = register_checkpoint(path, step, lr, meta, complete=False, overwrite=self.overwrite)
-        width, dtype = self.projector.width, self.spec.storage_dtype
+        width, dtype = self.gradient_rows.projector.width, self.spec.storage_dtype
         self._writer = IndexWriter(path, num_rows, width, dtype, meta, self.overwrite, self.rows_per_chunk)
         self.expect(self._writer.todo)
         return self.todo
@@ -188,29 +179,19 @@ class IndexSession:
             raise _not_open("compute")
         wanted = torch.as_tensor(self.todo[index.cpu().numpy()], device=index.device)
         size = batch["input_ids"].shape[0]
-        rows = torch.zeros(size, self.projector.width, dtype=torch.float32, device=device)
+        rows = torch.zeros(size, self.gradient_rows.projector.width, dtype=torch.float32, device=device)
         losses = torch.zeros(size, dtype=torch.float32, device=device)
         if bool(wanted.any()):
-            with gradient_mode(device):
-                # Indexing makes ordinary copies of tensors made under Lightning's inference mode.
-                sub = {k: batch[k][wanted] for k in ("input_ids", "attention_mask", "labels") if k in batch}
-                try:
-                    sub_rows, sub_losses = projected_gradients(
-                        self.model,
-                        sub,
-                        self.capture,
-                        self.projector,
-                        forward_context or contextlib.nullcontext(),
-                        self.spec.loss_chunk_tokens,
-                        self.spec.recompute,
-                    )
-                except torch.OutOfMemoryError:
-                    raise self.out_of_memory(batch, wanted) from None
-                except RuntimeError as err:  # MPS reports running out of memory as a plain RuntimeError
-                    if "out of memory" not in str(err).lower():
-                        raise
-                    raise self.out_of_memory(batch, wanted) from None
-            # Outside gradient_mode: `rows` may be an inference tensor, writable only in inference mode.
+            sub = {k: batch[k][wanted] for k in ("input_ids", "attention_mask", "labels") if k in batch}
+            try:
+                sub_rows, sub_losses = self.gradient_rows(sub, forward_context)
+            except torch.OutOfMemoryError:
+                raise self.out_of_memory(batch, wanted) from None
+            except RuntimeError as err:  # MPS reports running out of memory as a plain RuntimeError
+                if "out of memory" not in str(err).lower():
+                    raise
+                raise self.out_of_memory(batch, wanted) from None
+            # Here, not inside the gradient run: `rows` may be an inference tensor, writable only in inference mode.
             rows[wanted], losses[wanted] = sub_rows, sub_losses
         return BatchRows(
             index=index,

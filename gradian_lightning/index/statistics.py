@@ -29,7 +29,7 @@ row sets' statistics merge with `+`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from gradian_lightning.index.layout import equal_block_size, has_member
 # 128 MiB per module) only the per-coordinate sums are kept, and `fisher` is not available.
 GRAM_MAX_SIZE = 1024
 SLAB_BYTES = 4 << 20  # the eigenvectors are computed and written this many bytes of modules at a time
-GROUP = "statistics"
+STATISTICS_GROUP = "statistics"  # the zarr subgroup of the index root group that holds them
 WHITENED_NORMS = "whitened_norms"
 WHITENED_DAMPING = "whitened_damping"
 # The damping the writer stores whitened norms for: the default query.damping (specs.QuerySpec; a
@@ -66,11 +66,6 @@ def statistics_bytes(blocks: Sequence[Dict[str, Any]], width: int, rows: int) ->
     if size is not None:
         total += 2 * len(blocks) * size * size * 8 + len(blocks) * size * 8 + rows * len(blocks) * 4
     return total
-
-
-def layout_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The module blocks of an index's rows; an index written without a module layout is one block."""
-    return list(meta.get("modules") or [{"name": "row", "offset": 0, "size": int(meta["width"])}])
 
 
 def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
@@ -161,7 +156,7 @@ class RowStatistics:
         Returns the whitening factors at `damping` ([M, s, s] float32, `whitening_factor`) when
         `damping` is given and gram is kept, else None.
         """
-        stats = group.require_group(GROUP)
+        stats = group.require_group(STATISTICS_GROUP)
         stats.attrs.pop(WHITENED_DAMPING, None)  # first: the whitened norms are of the old statistics
         for name in list(stats.array_keys()):
             del stats[name]
@@ -212,9 +207,9 @@ class RowStatistics:
     def load(cls, group: zarr.Group, gram: bool = True) -> Optional["RowStatistics"]:
         """The statistics stored in an index group (without `gram` when false: it is M·k⁴ float64),
         or None when it has none (written before they existed)."""
-        if not has_member(group, GROUP, zarr.Group):
+        if not has_member(group, STATISTICS_GROUP, zarr.Group):
             return None
-        stats = group[GROUP]
+        stats = group[STATISTICS_GROUP]
         gram = stats["gram"][:] if gram and "gram" in stats.array_keys() else None
         return cls(int(stats.attrs["rows"]), stats["sumsq"][:], gram)
 

@@ -26,18 +26,18 @@ from gradian_lightning.index.layout import (
     encode,
     has_member,
     identity,
+    module_blocks,
     module_norms,
     stored_meta,
 )
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
-    GROUP,
+    STATISTICS_GROUP,
     WHITENED_DAMPING,
     WHITENED_NORMS,
     WHITENED_NORMS_DAMPING,
     RowStatistics,
     counted,
-    layout_blocks,
     whiten,
 )
 
@@ -114,7 +114,7 @@ class IndexWriter:
             self._release()
             raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
-        self.blocks = layout_blocks(self.meta)
+        self.blocks = module_blocks(self.meta)
         # An index begun by a gradian that stored no norms is resumed without them: its readers
         # compute every row's norms, so a partial array would only be a second truth.
         self.store_norms = has_member(self.group, NORMS, zarr.Array)
@@ -124,7 +124,7 @@ class IndexWriter:
         self.nonfinite_rows: List[int] = []
         # Second moments of the rows this writer flushes; rows complete before it started are
         # read back on close instead (statistics.py: why that never double-counts).
-        self.statistics = RowStatistics.empty(layout_blocks(self.meta), width)
+        self.statistics = RowStatistics.empty(module_blocks(self.meta), width)
         self._done_before = self.done.copy()
 
     @property
@@ -186,7 +186,7 @@ class IndexWriter:
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
-        modules = len(layout_blocks(self.meta))
+        modules = len(module_blocks(self.meta))
         group.create_array(
             NORMS, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
         )
@@ -267,7 +267,7 @@ class IndexWriter:
 
     def _statistics_before(self) -> RowStatistics:
         """Statistics of the rows that were complete before this writer started, read from disk."""
-        stats = RowStatistics.empty(layout_blocks(self.meta), self.width)
+        stats = RowStatistics.empty(module_blocks(self.meta), self.width)
         for lo in np.unique(np.flatnonzero(self._done_before) // self.chunk * self.chunk):
             hi = min(lo + self.chunk, self.num_rows)
             keep = self._done_before[lo:hi] & counted(
@@ -286,7 +286,7 @@ class IndexWriter:
     def _store_whitened_norms(self, factors: torch.Tensor) -> None:
         """One pass over the rows: each module block's norm after whitening by `factors` [M, s, s]
         at the default damping (statistics.py: why). The attribute that makes them valid is written last."""
-        stats = self.group[GROUP]
+        stats = self.group[STATISTICS_GROUP]
         norms = stats.create_array(
             WHITENED_NORMS,
             shape=(self.num_rows, len(self.blocks)),

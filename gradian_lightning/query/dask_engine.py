@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.index.layout import decode
+from gradian_lightning.index.layout import decode, module_blocks
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner
-from gradian_lightning.query.topk import Ranking, index_blocks, prepare_queries, score_chunk
+from gradian_lightning.query.topk import Ranking, prepare_queries, score_chunk
 from gradian_lightning.specs import QuerySpec
 
 # Seconds to wait for a scheduler at query.dask_scheduler before saying it does not answer.
@@ -107,7 +107,7 @@ def dask_topk(
     check_workers_can_open(index)
     k, bottom_k = spec.rows_wanted(len(index)), spec.bottom_k
     queries, transform = prepare_queries(index, query_rows.cpu(), spec, "cpu")
-    blocks = index_blocks(index)
+    blocks = module_blocks(index.meta)
     group = index.group
     grads = da.from_zarr(index.grads)  # blocks are the stored chunks: [c, D], one read each
     rows = grads.chunks[0]

@@ -28,13 +28,12 @@ import torch
 import zarr
 
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.index.layout import has_member
+from gradian_lightning.index.layout import has_member, module_blocks
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.index.statistics import (
     GRAM_MAX_SIZE,
-    GROUP,
+    STATISTICS_GROUP,
     gram_block_size,
-    layout_blocks,
     whiten,
     whitening_factors,
 )
@@ -83,9 +82,9 @@ AUTO_FEW_ROWS = "ekfac"
 
 def counted_rows(index: IndexReader) -> Optional[int]:
     """How many rows the index's statistics counted (None for an index written before they existed)."""
-    if not has_member(index.group, GROUP, zarr.Group):
+    if not has_member(index.group, STATISTICS_GROUP, zarr.Group):
         return None
-    return int(index.group[GROUP].attrs["rows"])
+    return int(index.group[STATISTICS_GROUP].attrs["rows"])
 
 
 def resolve(index: IndexReader, precondition: str) -> str:
@@ -95,7 +94,7 @@ def resolve(index: IndexReader, precondition: str) -> str:
     where it keeps no second moments (k > 32: diag measured best there, issue 10)."""
     if precondition != "auto":
         return precondition
-    size = gram_block_size(layout_blocks(index.meta), int(index.meta["width"]))
+    size = gram_block_size(module_blocks(index.meta), int(index.meta["width"]))
     if size is None:
         return "diag"
     rows = counted_rows(index)
@@ -108,10 +107,10 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
     if precondition == "none":
         return None
     damping = _damping(damping)
-    group = index.group[GROUP] if has_member(index.group, GROUP, zarr.Group) else None
+    group = index.group[STATISTICS_GROUP] if has_member(index.group, STATISTICS_GROUP, zarr.Group) else None
     cached = group is not None and "eigvecs" in group.array_keys()  # the writer's eigendecomposition of F
     stats = index.statistics(gram=not cached)  # with it cached, the gram itself is never read
-    blocks = layout_blocks(index.meta)
+    blocks = module_blocks(index.meta)
     if stats.count == 0:
         warnings.warn(
             f"the index at {str(index.path)!r} has no counted rows to precondition with; query.precondition={precondition} is skipped",

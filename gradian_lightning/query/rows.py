@@ -9,41 +9,44 @@ with one `IndexMismatchError` line naming each difference.
 
 from __future__ import annotations
 
-import contextlib
-from functools import partial
-from typing import Any, ContextManager, Dict, List, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Collection, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
-from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
-from gradian_lightning.gradients.capture import CAPTURABLE, LinearCapture, linear_features, select_modules
+from gradian_lightning.gradients.batch import BATCH_KEYS, GradientRows
+from gradian_lightning.gradients.capture import CAPTURABLE, linear_features, select_modules
 from gradian_lightning.gradients.loss import LOSS_KIND
 from gradian_lightning.gradients.peft import unwrap_peft
-from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.weights import weights_digest
 from gradian_lightning.hub import describe_model, normalized_name, pad_token_id
 from gradian_lightning.index.layout import decode, encode, storage_dtype_of, stored_spec
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.specs import IndexSpec
+from gradian_lightning.specs import ROW_SETTINGS, IndexSpec, field_names
 
 
 def index_mismatches(
-    meta: Dict[str, Any], model: Optional[nn.Module] = None, spec: Optional[IndexSpec] = None
+    meta: Dict[str, Any],
+    model: Optional[nn.Module] = None,
+    spec: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
 ) -> List[str]:
     """What disagrees between an index's attributes and a query's model and settings (empty: all agree).
 
-    `spec` is the query's own `grads.*` settings: its projection and storage dtype must be the
-    index's, and with `model`, its module filter must select the index's modules. `model` is the
-    model the query will run. Each entry is a short phrase.
+    `spec` is the query's own `grads.*` settings, of which the fields named in `given` (default:
+    all) are checked: its projection and storage dtype must be the index's, and with `model`, its
+    module filter must select the index's modules. `model` is the model the query will run. Each
+    entry is a short phrase.
     """
     found: List[str] = []
+    given = set(field_names(IndexSpec) if given is None else given)
     if spec is not None:
         stored = stored_spec(meta)
-        for key in ("projection_dim", "seed", "storage_dtype"):
+        # The module filter is checked below, by the modules it selects in the query's model.
+        for key in [k for k in ROW_SETTINGS if k in given and k != "module_filter"]:
             ours, theirs = getattr(spec, key), getattr(stored, key)
             if ours != theirs:
                 found.append(f"grads.{key} is {ours!r} here but {theirs!r} in the index")
@@ -74,7 +77,7 @@ def index_mismatches(
         elif features != shape:
             modules_found = False
             found.append(f"module {name!r} is {features[0]}x{features[1]} here but {shape[0]}x{shape[1]} in the index")
-    if spec is not None and modules_found:
+    if spec is not None and modules_found and "module_filter" in given:
         try:
             chosen = list(select_modules(model, spec.module_filter))
         except ConfigError:
@@ -92,8 +95,8 @@ def _weights_mismatch(
 ) -> List[str]:
     """[] when `model` holds the weights the index was built with, else the phrase saying what differs.
 
-    By the weights' digest where the index recorded one; for an index from before digests were
-    recorded, or of a sharded model, by the resolved model path."""
+    By the weights' digest where the index recorded one; for the index of a sharded model, which
+    records none (`weights_digest`), by the resolved model path."""
     indexed = theirs.get("weights_sha256")
     if indexed is None:
         name = normalized_name(theirs.get("name_or_path"))
@@ -122,28 +125,43 @@ def _other_weights(here: str, indexed: str, name: Optional[str], meta: Dict[str,
 
 
 def check_matches_index(
-    index: IndexReader, model: Optional[nn.Module] = None, spec: Optional[IndexSpec] = None
+    index: IndexReader,
+    model: Optional[nn.Module] = None,
+    spec: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
 ) -> None:
-    """Raise `IndexMismatchError`, one line naming each mismatch, when the query cannot match the index."""
-    found = index_mismatches(index.meta, model, spec)
+    """Raise `IndexMismatchError`, one line naming each mismatch, when the query cannot match the
+    index (`index_mismatches`)."""
+    found = index_mismatches(index.meta, model, spec, given)
     if found:
         raise IndexMismatchError(
             f"the query does not match the index at {str(index.path)!r}: {'; '.join(found)}; query with the model and grads.* settings the index was built with"
         )
 
 
-def index_projector(index: IndexReader, model: nn.Module) -> tuple[Dict[str, nn.Linear], KroneckerProjector]:
-    """The index's modules, found by name in `model`, and its projection, rebuilt from the attributes."""
-    check_matches_index(index, model)
+def index_gradient_rows(
+    index: IndexReader,
+    model: nn.Module,
+    loss_chunk_tokens: Optional[int] = None,
+    settings: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
+) -> GradientRows:
+    """The `GradientRows` that make rows like `index`'s with `model`: the index's modules, found by
+    name, and its stored spec (projection, seed, ...). `loss_chunk_tokens` changes memory, never
+    the rows (`supervised_token_loss`). `settings` and `given`: the caller's own `grads.*`
+    settings, checked where given (`index_mismatches`). Raises `IndexMismatchError` naming each
+    mismatch; the model's weights digest is taken once, here."""
+    model = unwrap_peft(model)
+    check_matches_index(index, model, settings, given)
     linears = dict(model.named_modules())
     modules = {b["name"]: linears[b["name"]] for b in index.meta["modules"]}
-    spec = stored_spec(index.meta)
-    projector = KroneckerProjector(modules, spec.projection_dim, spec.seed)
-    if projector.describe() != index.meta["modules"] or projector.width != int(index.meta["width"]):
+    spec = replace(stored_spec(index.meta), loss_chunk_tokens=loss_chunk_tokens)
+    made = GradientRows(model, spec, modules)
+    if made.projector.describe() != index.meta["modules"] or made.projector.width != int(index.meta["width"]):
         raise IndexMismatchError(
-            f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {projector.width} vs {index.meta['width']}); rebuild the index with `gradian index`"
+            f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {made.projector.width} vs {index.meta['width']}); rebuild the index with `gradian index`"
         )
-    return modules, projector
+    return made
 
 
 def query_gradients(
@@ -157,6 +175,8 @@ def query_gradients(
     forward_context: Optional[ContextManager] = None,
     source: str = "query data",
     loss_chunk_tokens: Optional[int] = None,
+    settings: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
 ) -> torch.Tensor:
     """Projected loss gradients [Q, D] float32 of arbitrary rows, made exactly like `index`'s rows.
 
@@ -168,10 +188,10 @@ def query_gradients(
     parameters' `.grad` are left as they were. Raises `IndexMismatchError` naming each mismatch and
     `DataError` for a row with no supervised token. A `peft.PeftModel` is run as its base model
     (adapters in place), as `GradientIndexer` runs it. `loss_chunk_tokens`: see
-    `supervised_token_loss` (memory only; the rows are the same).
+    `supervised_token_loss` (memory only; the rows are the same). `settings`, `given`: the
+    caller's `grads.*` settings to check against the index where given (`index_mismatches`).
     """
-    model = unwrap_peft(model)
-    modules, projector = index_projector(index, model)
+    gradient_rows = index_gradient_rows(index, model, loss_chunk_tokens, settings, given)
     if max_seq_length is None:
         max_seq_length = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
     dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)
@@ -180,25 +200,13 @@ def query_gradients(
             raise DataError(
                 f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt"
             )
-    loader = DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer))
-    )
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    capture = LinearCapture(modules)
     storage = storage_dtype_of(index.meta)
     out = []
-    # The index is written in eval mode (Lightning's validation loop); restore the caller's mode after.
-    training = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with gradient_mode(device):
-            for batch in loader:
-                batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
-                rows_, _ = projected_gradients(
-                    model, batch, capture, projector, forward_context or contextlib.nullcontext(), loss_chunk_tokens
-                )
-                out.append(decode(encode(rows_, storage), storage))
-    finally:
-        for m, mode in training.items():
-            m.train(mode)
+    pad = pad_token_id(tokenizer)
+    # Batches are collated here rather than by a DataLoader, whose iterator draws from the caller's RNG.
+    for lo in range(0, len(dataset), batch_size):
+        batch = collate(dataset.examples[lo : lo + batch_size], pad_token_id=pad)
+        made, _ = gradient_rows({k: batch[k].to(device) for k in BATCH_KEYS}, forward_context)
+        out.append(decode(encode(made, storage), storage))
     return torch.cat(out).to(device)

@@ -11,27 +11,24 @@ projected rows, and its score against a query splits into one term per token:
 (W: the preconditioner, identity for none.) The terms therefore sum to the row's score, as computed
 from the unrounded row; the index stores the row rounded to grads.storage_dtype, so the ranked
 score differs from the sum by that rounding. Each token's row is the row of a copy of the example
-supervised at that token alone, through the same gradient path (gradients/batch.py): one
+supervised at that token alone, through the same `GradientRows` (gradients/batch.py): one
 forward/backward of as many copies as the row has supervised tokens.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from gradian_lightning.data import IGNORE_INDEX, JsonlDataset, collate
-from gradian_lightning.gradients.batch import gradient_mode, projected_gradients
-from gradian_lightning.gradients.capture import LinearCapture
-from gradian_lightning.gradients.peft import unwrap_peft
+from gradian_lightning.gradients.batch import BATCH_KEYS, GradientRows
 from gradian_lightning.hub import pad_token_id
+from gradian_lightning.index.layout import module_blocks
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.rows import index_projector, query_gradients
-from gradian_lightning.query.topk import index_blocks, prepare_queries
+from gradian_lightning.query.rows import index_gradient_rows, query_gradients
+from gradian_lightning.query.topk import prepare_queries
 from gradian_lightning.specs import QuerySpec
 
 
@@ -46,40 +43,41 @@ def token_texts(tokenizer: Any, ids: List[int]) -> List[str]:
     return pieces
 
 
-def token_rows(index: IndexReader, model: nn.Module, tokenizer: Any, row: Dict[str, Any]) -> Dict[str, Any]:
+def token_rows(
+    index: IndexReader,
+    model: nn.Module,
+    tokenizer: Any,
+    row: Dict[str, Any],
+    gradient_rows: Optional[GradientRows] = None,
+) -> Dict[str, Any]:
     """The projected gradient of each supervised token's loss of one data row, as the index's rows are made.
 
     Returns {"tokens": the row's text token by token (str, with the spaces before each), "supervised": bool per token,
     "rows": float32 [S, D], one per supervised token in order}. Their sum is the row's projected
-    gradient (unrounded). Mode, RNG and parameters' .grad are left as they were.
+    gradient (unrounded). Mode, RNG and parameters' .grad are left as they were. `gradient_rows`:
+    `index_gradient_rows(index, model)` when the caller already made it (checked once for many rows).
     """
-    model = unwrap_peft(model)
-    modules, projector = index_projector(index, model)
+    gradient_rows = gradient_rows or index_gradient_rows(index, model)
     max_len = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
     example = JsonlDataset([row], tokenizer, max_len, source="token scores").examples[0]
     targets = [t for t in range(1, len(example.labels)) if example.labels[t] != IGNORE_INDEX]
-    device = next(model.parameters()).device
+    device = next(gradient_rows.model.parameters()).device
     tokens = token_texts(tokenizer, example.input_ids)
     if not targets:
-        return {"tokens": tokens, "supervised": [False] * len(tokens), "rows": torch.zeros(0, projector.width)}
+        return {
+            "tokens": tokens,
+            "supervised": [False] * len(tokens),
+            "rows": torch.zeros(0, gradient_rows.projector.width),
+        }
     copies = []
     for t in targets:  # the example supervised at token t alone
         labels = [IGNORE_INDEX] * len(example.labels)
         labels[t] = example.labels[t]
         copies.append(type(example)(example.index, example.id, example.input_ids, labels, 0))
-    loader = DataLoader(copies, batch_size=16, collate_fn=partial(collate, pad_token_id=pad_token_id(tokenizer)))
-    capture = LinearCapture(modules)
-    training = {m: m.training for m in model.modules()}
     out = []
-    try:
-        model.eval()
-        with gradient_mode(device):
-            for batch in loader:
-                batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                out.append(projected_gradients(model, batch, capture, projector)[0].float().cpu())
-    finally:
-        for m, mode in training.items():
-            m.train(mode)
+    for lo in range(0, len(copies), 16):  # collated here: a DataLoader's iterator draws from the caller's RNG
+        batch = collate(copies[lo : lo + 16], pad_token_id=pad_token_id(tokenizer))
+        out.append(gradient_rows({k: batch[k].to(device) for k in BATCH_KEYS})[0].cpu())
     supervised = [t > 0 and example.labels[t] != IGNORE_INDEX for t in range(len(example.labels))]
     return {"tokens": tokens, "supervised": supervised, "rows": torch.cat(out)}
 
@@ -106,10 +104,11 @@ def query_token_scores(
     spec = spec or QuerySpec()
     queries, transform = prepare_queries(index, query_row[None], spec, "cpu")
     score, normalize = spec.score, spec.normalize
-    blocks = index_blocks(index)
+    blocks = module_blocks(index.meta)
+    made = index_gradient_rows(index, model)
     explained = []
     for row in rows:
-        parts = token_rows(index, model, tokenizer, row)
+        parts = token_rows(index, model, tokenizer, row, made)
         per_token = parts["rows"]
         if transform is not None:
             per_token = transform(per_token)

@@ -7,7 +7,8 @@
 Memory is the query rows, two chunks (one scored, one read ahead) and the running [Q, k] state:
 it does not grow with N.
 Rows with zero supervised tokens, NaN/inf gradients or not yet written are never ranked.
-`open_index(path)` returns an `Index`: the store's reader plus `topk`.
+`score_all` gives every row's score by the same loop (for `gradian validate` and `gradian report`).
+`open_index(path)` returns an `Index`: the store's reader and these two, by keyword.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 
 from gradian_lightning.errors import IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
-from gradian_lightning.index.layout import decode, equal_block_size, module_norms
+from gradian_lightning.index.layout import decode, equal_block_size, module_blocks, module_norms
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve
-from gradian_lightning.specs import QuerySpec
+from gradian_lightning.specs import QuerySpec, spec_from_arguments
 
 # Scores held before they are merged into the running top-k: [Q, 4096] float32 is 16 KiB a query.
 MERGE_COLUMNS = 4096
@@ -40,6 +41,7 @@ class Ranking:
 
     indices: torch.Tensor
     scores: torch.Tensor
+    opponents: Optional["Ranking"] = None  # the most negative rows, most negative first, when asked for
 
 
 def _unit(rows: torch.Tensor) -> torch.Tensor:
@@ -72,12 +74,6 @@ def _unit_modules(
     return rows
 
 
-def index_blocks(index: IndexReader) -> Sequence[Dict[str, Any]]:
-    """The index's module blocks ({"offset", "size"} each); an index written without a module layout
-    (by IndexWriter directly) is one block: the row."""
-    return index.meta.get("modules") or [{"offset": 0, "size": int(index.meta["width"])}]
-
-
 def prepare_queries(
     index: IndexReader,
     query_rows: torch.Tensor,
@@ -105,7 +101,7 @@ def prepare_queries(
         transform = transform.to(device)
         queries = transform(queries)
     if spec.score == "cosine" and spec.normalize == "module":
-        blocks = index_blocks(index)
+        blocks = module_blocks(index.meta)
         queries = _unit_modules(queries.clone(), blocks) / len(blocks)  # / M: scores are a mean of cosines
     elif spec.score == "cosine":
         queries = _unit(queries)
@@ -158,6 +154,55 @@ def score_chunk(
     return scores
 
 
+def _scored_chunks(
+    index: IndexReader,
+    query_rows: torch.Tensor | Dict[int, torch.Tensor],
+    spec: QuerySpec,
+    device: Optional[torch.device | str],
+) -> Iterator[Tuple[int, int, np.ndarray, torch.Tensor]]:
+    """(lo, hi, rankable mask [c], scores [Q, c] float32 on `device`) for every chunk of `index`
+    with a rankable row: each chunk read once (ahead, on a worker thread), decoded into one reused
+    buffer and scored as one matmul per checkpoint, the checkpoints' scores weighted and summed.
+    The one scoring loop of `streaming_topk` and `score_all`; their arguments are its own."""
+    if isinstance(query_rows, torch.Tensor):
+        chosen = [(index, query_rows, 1.0)]
+    else:
+        chosen = []
+        for entry, weight in checkpoint_weights(index.checkpoints, spec.checkpoints):
+            step = int(entry["step"])
+            if step not in query_rows:
+                raise IndexMismatchError(
+                    f"query rows were made at checkpoints {sorted(query_rows)} but query.checkpoints={spec.checkpoints!r} needs step {step} of the index at {str(index.path)!r}; make query rows with each checkpoint's weights"
+                )
+            chosen.append((index if step == index.step else index.at(step), query_rows[step], weight))
+    device = torch.device(device) if device is not None else chosen[0][1].device
+    parts = []  # (reader, queries, transform, weight, the reader's method giving the chunk's norms or None)
+    for reader, rows, weight in chosen:
+        # Fisher without whitening every chunk where the index allows it (`uses_whitened_norms`).
+        whitened = uses_whitened_norms(reader, spec)
+        queries, transform = prepare_queries(reader, rows, spec, device, whitened)
+        norms_of = (
+            None
+            if spec.score != "cosine" or transform is not None
+            else reader.whitened_norms
+            if whitened
+            else reader.stored_norms
+        )
+        parts.append((reader, queries, transform, weight, norms_of))
+    buffer: Optional[torch.Tensor] = None  # one float32 chunk, decoded into for every chunk: no fresh pages per chunk
+    for lo, hi, keep, stored in _read_ahead(parts[0][0], [reader for reader, *_ in parts]):
+        if buffer is None or len(buffer) < hi - lo:
+            buffer = torch.empty(hi - lo, stored[0].shape[1])
+        scores = None
+        for (reader, queries, transform, weight, norms_of), chunk in zip(parts, stored):
+            rows = decode(chunk, reader.storage_dtype, out=buffer[: hi - lo]).to(device)
+            part = score_chunk(
+                queries, rows, module_blocks(reader.meta), spec, transform, norms_of(lo, hi) if norms_of else None
+            )
+            scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
+        yield lo, hi, keep, scores
+
+
 def streaming_topk(
     index: IndexReader,
     query_rows: torch.Tensor | Dict[int, torch.Tensor],
@@ -177,39 +222,13 @@ def streaming_topk(
     preconditioner (query/precondition.py) is applied to query and training rows.
     Each chunk is scored as one float32 matmul per checkpoint on `device` (default: the queries').
     """
-    k, bottom_k, checkpoints = spec.rows_wanted(len(index)), spec.bottom_k, spec.checkpoints
-    if isinstance(query_rows, torch.Tensor):
-        chosen = [(index, query_rows, 1.0)]
-    else:
-        chosen = []
-        for entry, weight in checkpoint_weights(index.checkpoints, checkpoints):
-            step = int(entry["step"])
-            if step not in query_rows:
-                raise IndexMismatchError(
-                    f"query rows were made at checkpoints {sorted(query_rows)} but query.checkpoints={checkpoints!r} needs step {step} of the index at {str(index.path)!r}; make query rows with each checkpoint's weights"
-                )
-            chosen.append((index if step == index.step else index.at(step), query_rows[step], weight))
+    k, bottom_k = spec.rows_wanted(len(index)), spec.bottom_k
     first = next(iter(query_rows.values())) if isinstance(query_rows, dict) else query_rows
     device = torch.device(device) if device is not None else first.device
-    parts = []  # (reader, queries, transform, weight, the reader's method giving the chunk's norms or None)
-    for reader, rows, weight in chosen:
-        # Fisher without whitening every chunk where the index allows it (`uses_whitened_norms`).
-        whitened = uses_whitened_norms(reader, spec)
-        queries, transform = prepare_queries(reader, rows, spec, device, whitened)
-        norms_of = (
-            None
-            if spec.score != "cosine" or transform is not None
-            else reader.whitened_norms
-            if whitened
-            else reader.stored_norms
-        )
-        parts.append((reader, queries, transform, weight, norms_of))
     empty = Ranking(
         torch.empty(len(first), 0, dtype=torch.long, device=device), torch.empty(len(first), 0, device=device)
     )
     top, bottom = empty, empty
-    lead = parts[0][0]
-    buffer: Optional[torch.Tensor] = None  # one float32 chunk, decoded into for every chunk: no fresh pages per chunk
     held: list = []  # (scores [Q, c], positions [c]) of chunks not yet merged into top/bottom
 
     def merge() -> None:
@@ -220,18 +239,9 @@ def streaming_topk(
         if bottom_k:
             bottom = _merge(bottom, scores, kept, bottom_k, largest=False)
 
-    for lo, hi, keep, stored in _read_ahead(lead, [reader for reader, *_ in parts]):
-        if buffer is None or len(buffer) < hi - lo:
-            buffer = torch.empty(hi - lo, stored[0].shape[1])
-        scores = None
-        for (reader, queries, transform, weight, norms_of), chunk in zip(parts, stored):
-            # Every row is decoded and scored, and the columns of rows that must go are dropped
-            # afterwards: cheaper than copying the kept rows out of the chunk.
-            rows = decode(chunk, reader.storage_dtype, out=buffer[: hi - lo]).to(device)
-            part = score_chunk(
-                queries, rows, index_blocks(reader), spec, transform, norms_of(lo, hi) if norms_of else None
-            )
-            scores = part.mul_(weight) if scores is None else scores.add_(part, alpha=weight)
+    for lo, hi, keep, scores in _scored_chunks(index, query_rows, spec, device):
+        # Every row is decoded and scored, and the columns of rows that must go are dropped
+        # afterwards: cheaper than copying the kept rows out of the chunk.
         kept = torch.arange(lo, hi)
         if not keep.all():
             keep = torch.from_numpy(keep)
@@ -243,6 +253,30 @@ def streaming_topk(
     if held:
         merge()
     return top, (bottom if bottom_k else None)
+
+
+def score_all(
+    index: IndexReader,
+    query_rows: torch.Tensor | Dict[int, torch.Tensor],
+    spec: QuerySpec,
+    *,
+    device: Optional[torch.device | str] = None,
+) -> torch.Tensor:
+    """Every query's score of every row of `index`: float32 [Q, N] on the CPU, NaN where a row is
+    never ranked (not written, not finite, nothing supervised).
+
+    The same scores `streaming_topk` ranks, by the same loop, with the same arguments (`spec`'s
+    preconditioner, normalisation and checkpoints; its top_k and bottom_k are not used): what
+    `gradian validate` and `gradian report` need of every row. Streamed chunk by chunk, so memory
+    is the [Q, N] result plus one chunk.
+    """
+    first = next(iter(query_rows.values())) if isinstance(query_rows, dict) else query_rows
+    out = torch.full((len(first), len(index)), float("nan"))
+    for lo, hi, keep, scores in _scored_chunks(index, query_rows, spec, device):
+        block = scores.cpu()
+        block[:, ~torch.from_numpy(keep)] = float("nan")
+        out[:, lo:hi] = block
+    return out
 
 
 def _read_ahead(
@@ -276,37 +310,59 @@ def _read_ahead(
                 yield item
 
 
-class Index(IndexReader):
-    """An index opened for querying: `IndexReader` (meta, rows, columns) plus `topk`."""
+class Index:
+    """An index opened for querying: the store's `reader` and the scoring of its rows (`topk`,
+    `score_all`).
+
+    It is not a reader itself (the store knows nothing of scoring): what the reader has (`meta`,
+    `rows`, `column`, `checkpoints`, ...) is looked up on `reader`, so an `Index` goes wherever an
+    `IndexReader` is read, and `at(step)` gives the `Index` of one checkpoint.
+    """
+
+    def __init__(self, path: str | Path | IndexReader, checkpoint: Optional[int] = None) -> None:
+        self.reader = path if isinstance(path, IndexReader) else IndexReader(path, checkpoint)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what Index lacks: the reader's attributes and methods.
+        return getattr(self.__dict__["reader"] if "reader" in self.__dict__ else None, name)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def at(self, step: int) -> "Index":
+        """The same index at checkpoint `step` (one of `checkpoints`)."""
+        return Index(self.reader.at(step))
 
     def topk(
         self,
         query_rows: torch.Tensor | Dict[int, torch.Tensor],
-        k: int,
-        score: str = QuerySpec.score,
-        bottom_k: int = QuerySpec.bottom_k,
+        k: Any = QuerySpec.top_k,
+        *,
         device: Optional[torch.device | str] = None,
-        normalize: str = QuerySpec.normalize,
-        precondition: str = QuerySpec.precondition,
-        damping: float = QuerySpec.damping,
-        checkpoints: Any = QuerySpec.checkpoints,
-    ) -> Any:
-        """The k best rows per query (`streaming_topk`): a `Ranking`, or (top, bottom) when `bottom_k` > 0.
+        **settings: Any,
+    ) -> Ranking:
+        """The k best rows per query (`streaming_topk`), with the `bottom_k` most negative ones
+        in `opponents` when asked for.
 
-        `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`; the other
-        arguments are the `QuerySpec`'s (specs.py), `k` its top_k. The index is streamed chunk by chunk.
+        `query_rows` [Q, D] float32, e.g. from `gradian_lightning.query_gradients`, or
+        {checkpoint step: [Q, D]}; `k` is the `QuerySpec`'s top_k and `settings` its other fields
+        (specs.py: score, normalize, precondition, ...). The index is streamed chunk by chunk.
         """
-        spec = QuerySpec(
-            top_k=k,
-            bottom_k=bottom_k,
-            score=score,
-            normalize=normalize,
-            precondition=precondition,
-            damping=damping,
-            checkpoints=checkpoints,
-        )
-        top, bottom = streaming_topk(self, query_rows, spec, device=device)
-        return (top, bottom) if bottom_k else top
+        spec = spec_from_arguments(QuerySpec, "Index.topk", (), {"top_k": k, **settings}, ("query_rows", "k", "device"))
+        top, bottom = streaming_topk(self.reader, query_rows, spec, device=device)
+        return Ranking(top.indices, top.scores, opponents=bottom)
+
+    def score_all(
+        self,
+        query_rows: torch.Tensor | Dict[int, torch.Tensor],
+        *,
+        device: Optional[torch.device | str] = None,
+        **settings: Any,
+    ) -> torch.Tensor:
+        """Every query's score of every row, float32 [Q, N], NaN for rows never ranked (`score_all`);
+        `settings` are the `QuerySpec`'s fields, as for `topk`."""
+        spec = spec_from_arguments(QuerySpec, "Index.score_all", (), settings, ("query_rows", "device"))
+        return score_all(self.reader, query_rows, spec, device=device)
 
 
 def open_index(path: str | Path) -> Index:

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradian_lightning.config import require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.gradients.batch import GradientRows
 from gradian_lightning.gradients.capture import linear_features, select_modules
 from gradian_lightning.gradients.memory import (
     FP32_BYTES,
@@ -30,7 +31,6 @@ from gradian_lightning.gradients.memory import (
     human_bytes,
     logit_peak_copies,
 )
-from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import recomputed_units
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 from gradian_lightning.index.statistics import statistics_bytes
@@ -144,7 +144,7 @@ def _saved_activation_bytes(
     """Bytes autograd keeps for backward in one indexing forward of `tokens` tokens through `layers`
     layers, and the part of them that the layers' `mlp` blocks keep: (all, mlp).
 
-    As `projected_gradients` runs it: parameters detached (no Linear input is kept for a weight
+    As `GradientRows` runs it: parameters detached (no Linear input is kept for a weight
     gradient), and the graph starting at the embeddings' output, a safe bound for any module_filter
     (the real graph starts at the first captured module's output).
 
@@ -269,7 +269,7 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
 
     `model` may live on the meta device.
     """
-    projector = KroneckerProjector(select_modules(model, spec.module_filter), spec.projection_dim, spec.seed)
+    projector = GradientRows(model, spec).projector
     blocks = projector.describe()
     stats = statistics_bytes(blocks, projector.width, rows)
     return {

@@ -9,14 +9,16 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning as L
 import numpy as np
+import torch
 from omegaconf import OmegaConf
 
-from gradian_lightning.config import require
+from gradian_lightning.config import is_given, require
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.hub import file_sha256
@@ -25,9 +27,10 @@ from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
 from gradian_lightning.query.precondition import resolve
 from gradian_lightning.query.rows import check_matches_index, query_gradients
-from gradian_lightning.query.topk import Index, Ranking, streaming_topk
+from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
+from gradian_lightning.query.topk import Index, Ranking, score_all, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
-from gradian_lightning.specs import IndexSpec, QuerySpec
+from gradian_lightning.specs import IndexSpec, QuerySpec, field_names
 
 
 def results_for(
@@ -101,17 +104,20 @@ def written_rows(index: IndexReader) -> int:
     return len(index) if index.meta.get("complete") else int(index.column("complete").sum())
 
 
-def score_matrix(cfg: Any, num_queries: int, num_rows: int, fill: float = 0.0) -> np.ndarray:
-    """Float64 [Q, N]: every query's score of every index row as `gradian query` computes them
-    (cfg.query.top_k is taken as "all"), `fill` for rows that are never ranked (no supervised
-    token, not finite, not written)."""
-    matrix = np.full((num_queries, num_rows), fill)
-    for q, entry in enumerate(
-        run_query(OmegaConf.merge(cfg, {"query": {"top_k": "all", "bottom_k": 0, "output": None}}))["results"]
-    ):
-        for result in entry["results"]:
-            matrix[q, result["index"]] = result["score"]
-    return matrix
+@dataclass
+class QueryRows:
+    """The query rows of `gradian query`, made once per scored checkpoint with its saved model.
+
+    rows: {checkpoint step: [Q, D] float32 on `device`}; readers: {step: the index read at that
+    checkpoint}; models: {step: (model, tokenizer)}, kept only when asked (for token terms);
+    weights: {step: its weight in the sum (index/checkpoints.py)}, 1.0 for a lone checkpoint.
+    """
+
+    rows: Dict[int, torch.Tensor]
+    readers: Dict[int, IndexReader]
+    models: Dict[int, tuple]
+    weights: Dict[int, float]
+    device: torch.device
 
 
 def add_token_terms(
@@ -119,31 +125,97 @@ def add_token_terms(
     query: Dict[str, Any],
     q_index: int,
     train_rows: List[Dict[str, Any]],
-    readers: Dict[int, IndexReader],
-    models: Dict[int, tuple],
-    query_rows: Dict[int, Any],
-    weights: Dict[int, float],
+    made: QueryRows,
     q: QuerySpec,
 ) -> None:
-    """Give each result in `shown` its "tokens" and "terms": every supervised token's share of its
-    score (None for the rest), summed over the scored checkpoints with their weights, so that the
-    terms add up to the score (from the unrounded rows; query/token_scores.py)."""
+    """Give each result in `shown` ({"index": training row position, ...}) its "tokens" and
+    "terms": every supervised token's share of its score (None for the rest), summed over the
+    scored checkpoints with their weights, so that the terms add up to the score (from the
+    unrounded rows; query/token_scores.py). `made` must have kept its models."""
     if not shown:
         return
-    from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
-
     wanted = [train_rows[r["index"]] for r in shown]
     total = summed_over_checkpoints(
         [
             (
                 weight,
-                query_token_scores(readers[step], *models[step], query, wanted, q, query_rows[step][q_index].cpu()),
+                query_token_scores(
+                    made.readers[step], *made.models[step], query, wanted, q, made.rows[step][q_index].cpu()
+                ),
             )
-            for step, weight in weights.items()
+            for step, weight in made.weights.items()
         ]
     )
     for result, e in zip(shown, total):
         result["tokens"], result["terms"] = e["tokens"], e["terms"]
+
+
+def open_for_query(cfg: Any) -> Tuple[Index, IndexSpec, List[str]]:
+    """The index at `cfg.index.path`, the `grads.*` settings and which of them the user gave
+    (`config.is_given`), checked against the index's stored spec before any model loads."""
+    index = Index(cfg.index.path)
+    written = written_rows(index)
+    if written < len(index):
+        warnings.warn(
+            f"the index at {str(index.path)!r} is unfinished: {written} of {len(index)} rows are written, and only those are ranked; rerun gradian index with its settings to finish it",
+            stacklevel=3,
+        )
+    # The rows are made as the index's stored spec says; a grads.* setting is checked against it
+    # only where the YAML file or the command line gave it.
+    spec, given = IndexSpec.from_config(cfg.grads), [k for k in field_names(IndexSpec) if is_given(cfg, f"grads.{k}")]
+    check_matches_index(index, spec=spec, given=given)  # the module filter needs the model: checked with it
+    return index, spec, given
+
+
+def make_query_rows(
+    cfg: Any,
+    index: Index,
+    queries: List[Dict[str, Any]],
+    spec: IndexSpec,
+    given: List[str],
+    which: Any,
+    keep_models: bool = False,
+) -> QueryRows:
+    """The rows of `queries` at each checkpoint `which` (query.checkpoints) chooses, each made with
+    that checkpoint's saved model on the device `cfg.trainer` asks for (Fabric)."""
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
+    fabric = L.Fabric(**fabric_kwargs, devices=1)
+    rows, readers, kept = {}, {}, {}
+    for step, name in _checkpoint_models(cfg, index, which):
+        reader = readers[step] = index if step == index.step else index.at(step)
+        model, tokenizer = load_saved_model(cfg.model, name)
+        if keep_models:
+            kept[step] = (model, tokenizer)
+        model.to(fabric.device)
+        rows[step] = query_gradients(
+            reader,
+            model,
+            tokenizer,
+            queries,
+            cfg.grads.batch_size,
+            device=fabric.device,
+            forward_context=fabric.autocast(),
+            source=str(cfg.query.data),
+            loss_chunk_tokens=spec.loss_chunk_tokens,
+            settings=spec,
+            given=given,
+        )
+    chosen = checkpoint_weights(index.checkpoints, which)
+    weights = {int(e["step"]): w for e, w in chosen} if len(rows) > 1 else {step: 1.0 for step in rows}
+    return QueryRows(rows, readers, kept, weights, fabric.device)
+
+
+def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
+    """Float32 [Q, N] per entry of `scorings`: every query of `cfg.query.data` against every row of
+    the index (`score_all`; NaN for rows never ranked). The query rows are made once, at every
+    checkpoint any of the scorings sums, and each scoring is one streamed pass over the index."""
+    require(cfg, "model.name_or_path", "query.data")
+    index, spec, given = open_for_query(cfg)
+    steps = sorted({int(e["step"]) for q in scorings for e, _ in checkpoint_weights(index.checkpoints, q.checkpoints)})
+    which = "last" if steps == [index.step] else steps
+    made = make_query_rows(cfg, index, read_jsonl(cfg.query.data), spec, given, which)
+    return [score_all(index, made.rows, q, device=made.device).numpy() for q in scorings]
 
 
 def run_query(cfg: Any) -> Dict[str, Any]:
@@ -157,61 +229,33 @@ def run_query(cfg: Any) -> Dict[str, Any]:
     if cfg.query.output:
         check_writable(cfg.query.output)
     queries = read_jsonl(cfg.query.data)
-    index = Index(cfg.index.path)
-    written = written_rows(index)
-    if written < len(index):
-        warnings.warn(
-            f"the index at {str(index.path)!r} is unfinished: {written} of {len(index)} rows are written, and only those are ranked; rerun gradian index with its settings to finish it",
-            stacklevel=2,
-        )
-    spec = IndexSpec.from_config(cfg.grads)
-    check_matches_index(index, spec=spec)  # before the model loads (the module filter needs the model)
+    index, spec, given = open_for_query(cfg)
     with contextlib.ExitStack() as stack:
         # The cluster first: a scheduler that does not answer fails before the model loads.
         client = None
         if cfg.query.engine == "dask":
             check_workers_can_open(index)
             client = stack.enter_context(dask_client(cfg.query.dask_scheduler))
-        return _answer(cfg, queries, index, spec, client)
+        return _answer(cfg, queries, index, spec, given, client)
 
 
 def _answer(
-    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, client: Optional[Any]
+    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, given: List[str], client: Optional[Any]
 ) -> Dict[str, Any]:
-    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
-    fabric = L.Fabric(**fabric_kwargs, devices=1)
     q = QuerySpec.from_config(cfg.query)
     which = q.checkpoints
-    models = _checkpoint_models(cfg, index, which)
-    if client is not None and len(models) > 1:
+    chosen = len(checkpoint_weights(index.checkpoints, which))
+    if client is not None and chosen > 1:
         raise ConfigError(
-            f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {len(models)} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
+            f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {chosen} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
         )
-    rows, readers, kept = {}, {}, {}
-    for step, name in models:
-        reader = readers[step] = index if step == index.step else index.at(step)
-        model, tokenizer = load_saved_model(cfg.model, name)
-        if cfg.query.token_scores:
-            kept[step] = (model, tokenizer)  # for the token terms, after the ranking
-        check_matches_index(reader, model, spec)
-        model.to(fabric.device)
-        rows[step] = query_gradients(
-            reader,
-            model,
-            tokenizer,
-            queries,
-            cfg.grads.batch_size,
-            device=fabric.device,
-            forward_context=fabric.autocast(),
-            source=str(cfg.query.data),
-            loss_chunk_tokens=spec.loss_chunk_tokens,
-        )
+    made = make_query_rows(cfg, index, queries, spec, given, which, keep_models=cfg.query.token_scores)
+    rows, readers = made.rows, made.readers
     if client is not None:
         (step,) = rows
         top, bottom = dask_topk(readers[step], rows[step], q, client=client)
     else:
-        top, bottom = streaming_topk(index, rows, q, device=fabric.device)
+        top, bottom = streaming_topk(index, rows, q, device=made.device)
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     data = index.meta.get("data") or {}
@@ -223,19 +267,12 @@ def _answer(
             raise ConfigError(
                 f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, unchanged at {data.get('path')!r}; restore that file or set query.token_scores=false"
             )
-        weights = (
-            {int(e["step"]): w for e, w in checkpoint_weights(index.checkpoints, which)}
-            if len(rows) > 1
-            else {step: 1.0 for step in rows}
-        )
         for q_index, entry in enumerate(results):
             for key in ("results", "opponents"):
-                add_token_terms(
-                    entry.get(key, []), queries[q_index], q_index, train_rows, readers, kept, rows, weights, q
-                )
+                add_token_terms(entry.get(key, []), queries[q_index], q_index, train_rows, made, q)
     if cfg.query.output:
         write_results(cfg.query.output, results)
-    where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(fabric.device)
+    where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(made.device)
     used = resolve(index, q.precondition)
     return {
         "results": results,

@@ -12,21 +12,21 @@ token's share of the score (query/token_scores.py). docs/report.md explains ever
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from gradian_lightning.config import require
 from gradian_lightning.data import read_jsonl, row_snippet
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import resolve
-from gradian_lightning.query.topk import Index
-from gradian_lightning.recipes.query import check_writable, score_matrix
+from gradian_lightning.query.topk import score_all
+from gradian_lightning.recipes.query import add_token_terms, check_writable, make_query_rows, open_for_query
 from gradian_lightning.report.html import render
+from gradian_lightning.specs import QuerySpec
 
 Explain = Callable[[int, List[Dict[str, Any]], List[int]], List[Dict[str, Any]]]
 
@@ -114,21 +114,22 @@ def write_report(path: str | Path, data: Dict[str, Any]) -> Path:
     return path
 
 
-def scoring_text(
-    index: IndexReader, score: str, normalize: str, precondition: str, damping: float, checkpoints: int
-) -> str:
+def scoring_text(index: IndexReader, q: QuerySpec, checkpoints: int) -> str:
     """How the scores were made, in words, for the page's header."""
     kind = {
-        "cosine": "per-module cosine (mean over modules)" if normalize == "module" else "whole-row cosine",
+        "cosine": "per-module cosine (mean over modules)" if q.normalize == "module" else "whole-row cosine",
         "inner": "inner product",
-    }[score]
-    used = resolve(index, precondition)
-    text = f"{kind}, preconditioner {used}" + ("" if used == "none" else f" (damping {damping})")
+    }[q.score]
+    used = resolve(index, q.precondition)
+    text = f"{kind}, preconditioner {used}" + ("" if used == "none" else f" (damping {q.damping})")
     return text + (f", summed over {checkpoints} checkpoints weighted by learning rate" if checkpoints > 1 else "")
 
 
 def run_report(cfg: Any) -> Path:
-    """Write the report of the `gradian query` results at `query.output`; returns the page's path."""
+    """Write the report of the `gradian query` results at `query.output`; returns the page's path.
+
+    The query rows are made once per checkpoint; every row's score (`score_all`), each summed
+    checkpoint's weighted share and the token terms of the shown rows all come from them."""
     require(cfg, "model.name_or_path", "query.data", "query.output")
     results_path = Path(cfg.query.output)
     if not results_path.is_file():
@@ -143,45 +144,25 @@ def run_report(cfg: Any) -> Path:
         raise ConfigError(
             f"setting 'query.output'={str(results_path)!r} holds results of other queries than query.data={str(cfg.query.data)!r}; rerun gradian query, or point query.data at the queries it answered"
         )
-    index = Index(cfg.index.path)
+    index, spec, given = open_for_query(cfg)
     data = index.meta.get("data") or {}
     train_rows = read_jsonl(data.get("path") or cfg.data.train)
-    which = (
-        OmegaConf.to_object(cfg.query.checkpoints)
-        if OmegaConf.is_config(cfg.query.checkpoints)
-        else cfg.query.checkpoints
-    )
-    chosen = checkpoint_weights(index.checkpoints, which)
-    scores = score_matrix(cfg, len(queries), len(index), fill=np.nan)
+    q = QuerySpec.from_config(cfg.query)
+    made = make_query_rows(cfg, index, queries, spec, given, q.checkpoints, keep_models=cfg.report.token_rows > 0)
+    scores = score_all(index, made.rows, q, device=made.device).numpy()
     by_checkpoint = {}
-    if len(chosen) > 1:  # each checkpoint scored alone, weighted as in the sum
-        for entry, weight in chosen:
-            alone = OmegaConf.merge(cfg, {"query": {"checkpoints": [int(entry["step"])]}})
-            by_checkpoint[int(entry["step"])] = weight * score_matrix(alone, len(queries), len(index), fill=np.nan)
-    q = cfg.query
-    cache: Dict[int, List[Dict[str, Any]]] = {}
+    if len(made.rows) > 1:  # each checkpoint scored alone, weighted as in the sum
+        for step, weight in made.weights.items():
+            alone = replace(q, checkpoints=(step,))
+            by_checkpoint[step] = weight * score_all(index, made.rows, alone, device=made.device).numpy()
 
     def explain(qi: int, rows: List[Dict[str, Any]], positions: List[int]) -> List[Dict[str, Any]]:
-        # gradian query with token_scores computes the terms of its result rows, summed over checkpoints.
-        if not cache:
-            with_terms = OmegaConf.merge(
-                cfg,
-                {
-                    "query": {
-                        "token_scores": True,
-                        "output": None,
-                        "top_k": max(1, cfg.report.token_rows),
-                        "bottom_k": min(q.bottom_k, cfg.report.token_rows),
-                    }
-                },
-            )
-            from gradian_lightning.recipes.query import run_query
+        # The token terms of the shown rows, summed over checkpoints as `gradian query` sums them.
+        shown = [{"index": p} for p in positions]
+        add_token_terms(shown, queries[qi], qi, train_rows, made, q)
+        return shown
 
-            for i, entry in enumerate(run_query(with_terms)["results"]):
-                cache[i] = {int(r["index"]): r for key in ("results", "opponents") for r in entry.get(key, [])}
-        return [cache[qi].get(p, {"tokens": [], "terms": []}) for p in positions]
-
-    steps = len(chosen)
+    steps = len(made.rows)
     note = "Token terms sum to the row's score from its unrounded gradient (the ranked score uses the rows as stored, rounded to grads.storage_dtype)."
     if steps > 1:
         note += f" They are summed over the {steps} checkpoints, as the score is."
@@ -194,7 +175,7 @@ def run_report(cfg: Any) -> Path:
         by_checkpoint,
         explain if cfg.report.token_rows else None,
         cfg.report.token_rows,
-        scoring_text(index, q.score, q.normalize, q.precondition, q.damping, steps),
+        scoring_text(index, q, steps),
         note,
     )
     return write_report(out, data_)

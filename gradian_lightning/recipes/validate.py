@@ -1,7 +1,7 @@
 """The `gradian validate` recipe: the Linear Datamodeling Score of the scoring, on the user's own data.
 
     cfg = load_config("my.yaml", ["validate.num_subsets=24"])
-    report = run_validate(cfg)                       # or validate(cfg, module_factory=..., trainer_kwargs=...)
+    report = run_validate(cfg)                       # or run_validate(cfg, module_factory=..., trainer_kwargs=...)
 
 It trains `validate.num_subsets` models on random `validate.alpha`-subsets of `data.train` (a plain
 Lightning fine-tune of the base model; `validate.repeats` runs per subset), records every query's
@@ -24,15 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
-from gradian_lightning.config import require
-from gradian_lightning.config import validate as check_settings
+from gradian_lightning.config import check_settings, require
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError, MissingExtraError
 from gradian_lightning.extras import require_extra
 from gradian_lightning.hub import file_sha256, find_causal_lm, load_tokenizer_and_config, normalized_name
 from gradian_lightning.index.layout import stored_meta
-from gradian_lightning.recipes.query import score_matrix
+from gradian_lightning.recipes.query import dense_scores
 from gradian_lightning.saved_models import load_saved_model
+from gradian_lightning.specs import QuerySpec
 from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, spearman
 from gradian_lightning.validation.retrain import FineTune, fine_tune, query_losses, run_seed
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
@@ -136,8 +136,11 @@ def run_validate(
         "scorers": [],
     }
     per_query: List[Dict[str, Any]] = []
-    for scorer, scoring_cfg in zip(scorers, scoring):
-        lds = linear_datamodeling_score(score_matrix(scoring_cfg, len(queries), len(train_rows)), runs.subsets, outputs)
+    # Every scorer's [Q, N] scores from one set of query rows (`dense_scores`); rows never ranked score 0.
+    matrices = dense_scores(cfg, [QuerySpec.from_config(c.query) for c in scoring])
+    for scorer, matrix in zip(scorers, matrices):
+        scores = np.nan_to_num(matrix.astype(np.float64), nan=0.0)
+        lds = linear_datamodeling_score(scores, runs.subsets, outputs)
         mean, error = mean_and_standard_error(lds)
         report["scorers"].append({"scorer": scorer, "name": scorer_name(scorer), "lds": mean, "standard_error": error})
         per_query += [{"scorer": scorer_name(scorer), "query": q, "lds": _finite(x)} for q, x in enumerate(lds)]
@@ -184,6 +187,3 @@ def _chart(report: Dict[str, Any], path: Path) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
-
-
-validate = run_validate  # gradian_lightning.validate

@@ -1,7 +1,7 @@
 """One training run of a validation: a plain Lightning fine-tune on a subset, then each query's loss.
 
 The run is seeded and leaves the caller's torch RNG as it was. The model comes from a factory, so a
-Python user can retrain their own LightningModule (`gradian_lightning.validate(module_factory=...)`).
+Python user can retrain their own LightningModule (`gradian_lightning.run_validate(cfg, module_factory=...)`).
 """
 
 from __future__ import annotations

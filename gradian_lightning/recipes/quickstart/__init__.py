@@ -10,12 +10,12 @@ to score the ranking afterwards (recall@k), never to make it.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Iterable, List
 
 import lightning as L
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -26,7 +26,7 @@ from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.query.rows import query_gradients
 from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
-from gradian_lightning.query.topk import open_index
+from gradian_lightning.query.topk import open_index, score_all
 from gradian_lightning.recipes.query import results_for, write_results
 from gradian_lightning.recipes.report import report_data, scoring_text, write_report
 from gradian_lightning.specs import QuerySpec
@@ -83,18 +83,12 @@ def write_quickstart_report(
 ):
     """The quickstart's report (recipes/report.py): scores of every row, each checkpoint's share, and
     the first `token_rows` rows' token terms summed over the checkpoints with their weights."""
-    n = len(index)
     chosen = checkpoint_weights(index.checkpoints, "all")
-
-    def every_row(by_step, which):
-        top = index.topk(by_step, n, score="cosine", checkpoints=which, precondition="none")
-        matrix = np.full((len(queries), n), np.nan)
-        np.put_along_axis(matrix, top.indices.numpy(), top.scores.double().numpy(), axis=1)
-        return matrix
-
-    scores = every_row(rows, "all")
+    summed = QuerySpec(score="cosine", checkpoints="all", precondition="none")
+    scores = score_all(index, rows, summed).numpy()
     by_checkpoint = {
-        int(e["step"]): w * every_row({int(e["step"]): rows[int(e["step"])]}, [int(e["step"])]) for e, w in chosen
+        int(e["step"]): w * score_all(index, rows, replace(summed, checkpoints=(int(e["step"]),))).numpy()
+        for e, w in chosen
     }
 
     def explain(q, wanted, positions):
@@ -109,7 +103,7 @@ def write_quickstart_report(
         return summed_over_checkpoints(weighted)
 
     note = f"Token terms (first {token_rows} rows) are summed over the {len(chosen)} checkpoints, as the score is, and add up to it."
-    text = scoring_text(index, "cosine", "module", "none", 0.0, len(chosen))
+    text = scoring_text(index, summed, len(chosen))
     return write_report(
         path, report_data(index, queries, train_rows, results, scores, by_checkpoint, explain, token_rows, text, note)
     )
