@@ -23,7 +23,7 @@ from gradian_lightning.config import require
 from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import GradientRows
-from gradian_lightning.gradients.capture import linear_features, select_modules
+from gradian_lightning.gradients.capture import linear_features
 from gradian_lightning.gradients.memory import (
     FP32_BYTES,
     SUGGESTED_LOSS_CHUNK_TOKENS,
