@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import lightning as L
@@ -19,9 +20,10 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
-from gradian_lightning.data import JsonlDataset, collate, read_jsonl
+from gradian_lightning.data import Fields, TokenizedRows, collate
+from gradian_lightning.data_sources import describe_source, open_rows
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, normalized_name, pad_token_id
+from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
 from gradian_lightning.index.location import Location
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
@@ -85,8 +87,20 @@ def _trainer_accepts(quiet: Dict[str, Any], key: str, value: Any) -> bool:
     return True
 
 
-def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None) -> Optional[Dict[str, Any]]:
-    """Index `cfg.data.train` into `cfg.index.path`. Returns what was written (`IndexSession.finish`'s
+def data_meta(cfg: DictConfig, source: Any, rows: Any) -> Dict[str, Any]:
+    """The index's record of its data: the source ("path", resolved: a resume from another folder
+    is the same job; None for a Python Dataset), its "fingerprint" (and a file's "sha256"), the
+    column mapping where it is not the default, and max_seq_length."""
+    fields = Fields.from_config(cfg.data)
+    described = {k: v for k, v in describe_source(source, rows).items() if k != "num_rows"}
+    mapped = {k: v for k, v in vars(fields).items() if v != getattr(Fields(), k)}
+    return {**described, **({"fields": mapped} if mapped else {}), "max_seq_length": cfg.grads.max_seq_length}
+
+
+def run_index(
+    cfg: DictConfig, announce: Optional[Callable[[str], None]] = None, train: Any = None
+) -> Optional[Dict[str, Any]]:
+    """Index `cfg.data.train` (or `train`, a `datasets.Dataset`, from Python) into `cfg.index.path`. Returns what was written (`IndexSession.finish`'s
     summary); with `model.checkpoints`, one summary of the whole index with each checkpoint's under
     "checkpoints" and the whole index's bytes on disk.
 
@@ -95,8 +109,10 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     `announce` (e.g. `print`) gets one line before the first batch: rows, modules, row width and
     the predicted size of the whole index, as `gradian plan` computes them.
     """
-    require(cfg, "model.name_or_path", "data.train")
-    rows = read_jsonl(cfg.data.train)  # data mistakes fail before the model loads
+    require(cfg, "model.name_or_path", *(() if train is not None else ("data.train",)))
+    source = train if train is not None else cfg.data.train
+    fields = Fields.from_config(cfg.data)
+    rows = open_rows(source, fields)  # data mistakes fail before the model loads
     g, spec = cfg.grads, IndexSpec.from_config(cfg.grads)
     config = OmegaConf.to_container(cfg, resolve=True)
     # The spec is stored once, under "spec"; the config keeps what is not in it.
@@ -104,11 +120,7 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     meta = {
         "config": config,
         "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
-        "data": {
-            "path": normalized_name(str(cfg.data.train)),  # resolved: a resume from another folder is the same job
-            "sha256": file_sha256(cfg.data.train),
-            "max_seq_length": g.max_seq_length,
-        },
+        "data": data_meta(cfg, source, rows),
     }
     # Steps and learning rates of model.checkpoints: a bad list fails before any model loads.
     checkpoints = saved_models(cfg.model.checkpoints or [])
@@ -126,7 +138,7 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     # model.checkpoints: one index, one checkpoint per saved model, keyed by its step (saved_models.py).
     for run, saved in enumerate(checkpoints or [None]):
         model, tokenizer = load_saved_model(cfg.model, saved.entry) if saved else load_model_and_tokenizer(cfg.model)
-        dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
+        dataset = TokenizedRows(rows, tokenizer, g.max_seq_length, source=_name(source), fields=fields)
         if not run and announce is not None and trainer.is_global_zero:  # before the launch: ranks > 0 know their rank
             layout = index_layout(model, spec, len(dataset))
             announce(
@@ -152,6 +164,10 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     if not checkpoints:
         return session.summaries[-1]
     return whole_index_summary(session.summaries, str(cfg.index.path))
+
+
+def _name(source: Any) -> str:
+    return str(source) if isinstance(source, (str, Path)) else "data.train"
 
 
 def whole_index_summary(summaries: List[Dict[str, Any]], root: str) -> Dict[str, Any]:

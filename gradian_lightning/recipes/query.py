@@ -17,9 +17,9 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from gradian_lightning.config import require
-from gradian_lightning.data import read_jsonl
+from gradian_lightning.data import Fields
+from gradian_lightning.data_sources import indexed_rows, open_rows
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.hub import file_sha256
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
@@ -146,17 +146,29 @@ def add_token_terms(
         result["tokens"], result["terms"] = e["tokens"], e["terms"]
 
 
-def run_query(cfg: Any) -> Dict[str, Any]:
-    """Answer `cfg.query.data` against the index at `cfg.index.path`; write `cfg.query.output` if set.
+def read_queries(cfg: Any, queries: Any = None) -> List[Dict[str, Any]]:
+    """The query rows of `cfg.query.data` (or `queries`, a `datasets.Dataset` or list of dicts,
+    from Python), under gradian's names (the `data.*_field` mapping): a query set is small."""
+    fields = Fields.from_config(cfg.data)
+    if isinstance(queries, list):
+        return [dict(r) for r in queries]
+    dataset = open_rows(queries if queries is not None else cfg.query.data, fields, "query.data")
+    return [fields.row(r) for r in dataset]
+
+
+def run_query(cfg: Any, queries: Any = None, train: Any = None) -> Dict[str, Any]:
+    """Answer `cfg.query.data` (or `queries`, from Python) against the index at `cfg.index.path`; write `cfg.query.output` if set.
 
     Returns {"results": per-query dicts (see `results_for`), "queries": the query rows,
-    "train_rows": the index's training rows when its data file is still there (else None),
-    "index": the reader, "device": where scoring ran}.
+    "train_rows": the index's training rows by position when its data is still there and unchanged
+    (`data_sources.IndexedRows`; else None, with a warning saying why), "index": the reader,
+    "device": where scoring ran}. `train`: the Python `datasets.Dataset` an index was built from,
+    for its row texts.
     """
-    require(cfg, "model.name_or_path", "query.data")
+    require(cfg, "model.name_or_path", *(() if queries is not None else ("query.data",)))
     if cfg.query.output:
         check_writable(cfg.query.output)
-    queries = read_jsonl(cfg.query.data)
+    queries = read_queries(cfg, queries)
     index = Index(cfg.index.path)
     written = written_rows(index)
     if written < len(index):
@@ -172,11 +184,11 @@ def run_query(cfg: Any) -> Dict[str, Any]:
         if cfg.query.engine == "dask":
             check_workers_can_open(index)
             client = stack.enter_context(dask_client(cfg.query.dask_scheduler))
-        return _answer(cfg, queries, index, spec, client)
+        return _answer(cfg, queries, index, spec, client, train)
 
 
 def _answer(
-    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, client: Optional[Any]
+    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, client: Optional[Any], train: Any = None
 ) -> Dict[str, Any]:
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
     fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
@@ -214,14 +226,12 @@ def _answer(
         top, bottom = streaming_topk(index, rows, q, device=fabric.device)
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
-    data = index.meta.get("data") or {}
-    # Snippets only from the very file that was indexed: an edited file no longer lines up.
-    same_file = data.get("path") and Path(data["path"]).is_file() and file_sha256(data["path"]) == data.get("sha256")
-    train_rows = read_jsonl(data["path"]) if same_file else None
+    # Row texts only from the very data that was indexed: edited data no longer lines up.
+    train_rows, why = indexed_rows(index.meta, Fields.from_config(cfg.data), train)
     if cfg.query.token_scores:
         if train_rows is None:
             raise ConfigError(
-                f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, unchanged at {data.get('path')!r}; restore that file or set query.token_scores=false"
+                f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data or set query.token_scores=false"
             )
         weights = (
             {int(e["step"]): w for e, w in checkpoint_weights(index.checkpoints, which)}
@@ -233,6 +243,8 @@ def _answer(
                 add_token_terms(
                     entry.get(key, []), queries[q_index], q_index, train_rows, readers, kept, rows, weights, q
                 )
+    if train_rows is None:
+        warnings.warn(f"row texts are not shown: {why}; the ranking is of the indexed rows", stacklevel=3)
     if cfg.query.output:
         write_results(cfg.query.output, results)
     where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(fabric.device)
