@@ -44,7 +44,7 @@ class GradientIndexer(L.Callback):
     positions), as `gradian_lightning.data.collate` makes them.
 
     Args:
-        path, overwrite, meta, rows_per_chunk, checkpoints: the `IndexSession`'s (index/session.py);
+        path, overwrite, meta, rows_per_chunk, checkpoints, append: the `IndexSession`'s (index/session.py);
             `{step}` in `path` keeps one index per validation run, keyed by global step; with
             `checkpoints` every run is one checkpoint of one index, with the first optimizer's
             learning rate.
@@ -77,6 +77,7 @@ class GradientIndexer(L.Callback):
         checkpoints: bool = False,
         every_n_val_runs: int = 1,
         recompute: str = IndexSpec.recompute,
+        append: bool = False,
     ) -> None:
         spec = IndexSpec(
             module_filter=module_filter,
@@ -86,7 +87,7 @@ class GradientIndexer(L.Callback):
             recompute=recompute,
             loss_chunk_tokens=loss_chunk_tokens,
         )
-        options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta}
+        options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta, "append": append}
         self.session = IndexSession(spec, path, overwrite=overwrite, **options)
         for name, value, ok, allowed in (
             ("dataloader_idx", dataloader_idx, is_int(dataloader_idx) and dataloader_idx >= 0, "an integer >= 0"),

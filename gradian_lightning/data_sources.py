@@ -288,8 +288,15 @@ def open_rows(source: Any, fields: Fields, key: str = "data.train") -> Any:
 
 def index_segments(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The sources of an index's rows, oldest first: {"data" (its `describe_source` record),
-    "offset" (its first row), "rows"}; one for an index that was never appended to."""
-    return list(meta.get("segments") or [{"data": meta.get("data") or {}, "offset": 0, "rows": meta["num_rows"]}])
+    "offset" (its first row), "rows", "fingerprint" (of the run that wrote them)}; one for an
+    index that was never appended to (index.append)."""
+    first = {
+        "data": meta.get("data") or {},
+        "offset": 0,
+        "rows": meta["num_rows"],
+        "fingerprint": meta.get("fingerprint"),
+    }
+    return list(meta.get("segments") or [first])
 
 
 class IndexedRows:

@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
 from gradian_lightning.data import Fields, TokenizedRows, collate
-from gradian_lightning.data_sources import describe_source, open_rows
+from gradian_lightning.data_sources import describe_source, index_segments, open_rows
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
+from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
@@ -122,6 +123,8 @@ def run_index(
         "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
         "data": data_meta(cfg, source, rows),
     }
+    # Appended rows without an id are numbered on from the index's rows (index/writer.py).
+    first_id = appended_after(str(cfg.index.path), meta["data"]) if cfg.index.append else 0
     # Steps and learning rates of model.checkpoints: a bad list fails before any model loads.
     checkpoints = saved_models(cfg.model.checkpoints or [])
     indexer = GradientIndexer(
@@ -131,6 +134,7 @@ def run_index(
         meta=meta,  # an s3:// or gs:// index.path whose filesystem is not installed fails here too
         rows_per_chunk=cfg.index.rows_per_chunk,
         checkpoints=bool(checkpoints),
+        append=cfg.index.append,
         verbose=False,  # the CLI prints the summary
     )
     session = indexer.session
@@ -138,7 +142,9 @@ def run_index(
     # model.checkpoints: one index, one checkpoint per saved model, keyed by its step (saved_models.py).
     for run, saved in enumerate(checkpoints or [None]):
         model, tokenizer = load_saved_model(cfg.model, saved.entry) if saved else load_model_and_tokenizer(cfg.model)
-        dataset = TokenizedRows(rows, tokenizer, g.max_seq_length, source=_name(source), fields=fields)
+        dataset = TokenizedRows(
+            rows, tokenizer, g.max_seq_length, source=_name(source), fields=fields, first_id=first_id
+        )
         if not run and announce is not None and trainer.is_global_zero:  # before the launch: ranks > 0 know their rank
             layout = index_layout(model, spec, len(dataset))
             announce(
@@ -164,6 +170,18 @@ def run_index(
     if not checkpoints:
         return session.summaries[-1]
     return whole_index_summary(session.summaries, str(cfg.index.path))
+
+
+def appended_after(path: str, data: Dict[str, Any]) -> int:
+    """The row after which index.append puts `data`'s rows in the index at `path`: its last
+    segment's start when that is `data` (a resumed or repeated append), else its row count."""
+    if "{step}" in path or Location(path).is_empty():
+        return 0
+    stored = stored_meta(path)
+    if stored is None:
+        return 0
+    last = index_segments(stored)[-1]
+    return int(last["offset"]) if last["data"] == data else int(stored["num_rows"])
 
 
 def _name(source: Any) -> str:
