@@ -355,7 +355,8 @@ def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints
         raise ConfigError(
             f"GradientIndexer(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None"
         ) from None
-    Location(str(path).format(step=0))  # an s3:// or gs:// path without its filesystem fails here
+    # An s3:// or gs:// path without its filesystem, or a local path that is a file, fails here.
+    Location(str(path).format(step=0)).check_creatable()
 
 
 def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:

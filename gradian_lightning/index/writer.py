@@ -119,7 +119,7 @@ class IndexWriter:
         try:
             self.group = self._open_or_create(overwrite)
         except BaseException:
-            self._release()
+            self._release(refused=True)
             raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
         self.blocks = layout_blocks(self.meta)
@@ -340,9 +340,9 @@ class IndexWriter:
                 f"no space left where index.path {str(self.path)!r} is stored ({int(self.done.sum())} of {self.num_rows} rows are safely written); free some space, then rerun the same command: it resumes from those rows"
             ) from None
 
-    def _release(self) -> None:
+    def _release(self, refused: bool = False) -> None:
         if self._lock is not None:
-            self._lock.close()
+            self.path.unlock(self._lock, refused)
             self._lock = None
 
     def _flush(self, c: int) -> None:

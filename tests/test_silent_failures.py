@@ -1,0 +1,82 @@
+"""Issue 30's last silent failures and tracebacks, each now one line or fixed."""
+
+import os
+
+import pytest
+from conftest import ROWS, make_model, write_jsonl
+
+from gradian_lightning import GradientIndexer
+from gradian_lightning.config import load_config
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query.rows import _other_weights
+from gradian_lightning.recipes.index import run_index
+from gradian_lightning.recipes.query import run_query
+
+
+def settings(model, train, path, *extra):
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={model}",
+            f"data.train={train}",
+            f"index.path={path}",
+            "grads.max_seq_length=24",
+            "grads.projection_dim=4",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+            *extra,
+        ],
+    )
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused(tmp_path, tokenizer):
+    folder = tmp_path / "weights-only"
+    make_model(len(tokenizer)).save_pretrained(folder)
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    with pytest.raises(ConfigError, match=r"is a model folder without tokenizer files \(tokenizer.json, "):
+        run_index(settings(folder, data, tmp_path / "ix"))
+    assert not (tmp_path / "ix").exists()
+
+
+def test_a_query_after_the_data_changed_says_so(tmp_path, saved_model):
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    run_index(settings(saved_model, data, tmp_path / "ix"))
+    write_jsonl(data, ROWS[::-1])  # edited after indexing: the stored positions no longer name these rows
+    cfg = settings(saved_model, data, tmp_path / "ix", f"query.data={data}")
+    with pytest.warns(
+        UserWarning, match=r"row texts are not shown: the training data .*rows.jsonl' changed after it was indexed"
+    ):
+        answer = run_query(cfg)
+    assert answer["train_rows"] is None
+
+
+def test_index_path_at_a_file_or_an_uncreatable_place_is_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("notes")
+    with pytest.raises(ConfigError, match=r"index.path'=.*afile' is a file; an index is a folder"):
+        GradientIndexer(afile)
+    with pytest.raises(ConfigError, match=r"afile/sub' lies under .*afile', a file"):
+        GradientIndexer(afile / "sub")
+    with pytest.raises(ConfigError, match=r"index.path'='/proc/gradian/ix' cannot be created \("):
+        IndexWriter("/proc/gradian/ix", 4, 8, "float32", {})
+    assert afile.read_text() == "notes"
+
+
+def test_a_refused_run_leaves_no_lock_file(tmp_path):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds something that is not a Gradian index"):
+        IndexWriter(foreign, 4, 8, "float32", {})
+    assert os.listdir(foreign) == ["todo.txt"]
+    IndexWriter(tmp_path / "ix", 4, 8, "float32", {"fingerprint": "a"}).close()
+    with pytest.raises(ConfigError, match="another configuration"):
+        IndexWriter(tmp_path / "ix", 4, 8, "float32", {"fingerprint": "b"})
+    assert ".gradian-lock" in os.listdir(tmp_path / "ix")  # the index's own: kept, it was there before
+
+
+def test_the_weights_mismatch_names_no_missing_model():
+    phrase = _other_weights("aaaa", "bbbb", None, {"global_step": 0})
+    assert phrase.endswith("(weights digest aaaa here, bbbb in the index)")
+    assert _other_weights("aaaa", "bbbb", "/m", {}).endswith("built from '/m')")
