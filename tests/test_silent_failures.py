@@ -80,3 +80,49 @@ def test_the_weights_mismatch_names_no_missing_model():
     phrase = _other_weights("aaaa", "bbbb", None, {"global_step": 0})
     assert phrase.endswith("(weights digest aaaa here, bbbb in the index)")
     assert _other_weights("aaaa", "bbbb", "/m", {}).endswith("built from '/m')")
+
+
+def test_index_prints_no_advert_and_a_late_error_on_its_own_line(tmp_path, tokenizer, capsys):
+    from gradian_lightning.cli import main
+
+    plain = tmp_path / "no-chat-template"
+    make_model(len(tokenizer)).save_pretrained(plain)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)  # row 4 is a chat: found when it is tokenised
+    argv = ["index", f"model.name_or_path={plain}", f"data.train={data}", f"index.path={tmp_path / 'ix'}"]
+    assert main([*argv, "grads.projection_dim=4", "grads.batch_size=2", "trainer.accelerator=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "litlogger" not in err
+    line = next(line for line in err.split("\n") if "error:" in line)
+    assert line.startswith("gradian index: error: ") and "row 4: rows use 'messages'" in line
+
+
+def test_an_error_closes_the_progress_bar_line():
+    import io
+
+    from tqdm import tqdm
+
+    from gradian_lightning.recipes.index import IndexProgressBar
+
+    screen = io.StringIO()
+    bar = IndexProgressBar()
+    bar._val_progress_bar = tqdm(total=None, desc="Validation", file=screen, leave=False)
+    bar._val_progress_bar.update(3)
+    bar.on_exception(None, None, RuntimeError("late"))
+    assert screen.getvalue().rstrip(" ").endswith("\n")  # what is printed next starts a line of its own
+
+
+def test_help_and_settings_errors_import_no_torch():
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from gradian_lightning.cli import main\n"
+        "assert main(['index', 'grads.batch_size=0']) == 2\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'lightning', 'transformers', 'datasets') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"

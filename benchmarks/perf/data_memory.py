@@ -69,13 +69,31 @@ def measure(out: Path, model_dir: Path, rows: int) -> dict:
     ]
     log = out / f"index-{rows}.log"
     start = time.perf_counter()
+    peaks = {"RssAnon": 0, "RssFile": 0}  # sampled: anonymous memory, and mapped file pages (the arrow data)
     with open(log, "w") as sink:
         child = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage: ru_maxrss in KiB (Linux)
+        while True:
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)  # this child's own rusage: ru_maxrss in KiB
+            if pid:
+                break
+            try:
+                for line in Path(f"/proc/{child.pid}/status").read_text().splitlines():
+                    key, _, value = line.partition(":")
+                    if key in peaks:
+                        peaks[key] = max(peaks[key], int(value.split()[0]) * 1024)
+            except OSError:  # not Linux, or the child is exiting
+                pass
+            time.sleep(0.2)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"gradian index on {rows} rows failed:\n{log.read_text()[-2000:]}")
-    return {"rows": rows, "wall_s": round(wall, 1), "peak_rss_bytes": int(usage.ru_maxrss) * 1024}
+    return {
+        "rows": rows,
+        "wall_s": round(wall, 1),
+        "peak_rss_bytes": int(usage.ru_maxrss) * 1024,
+        "peak_anon_bytes": peaks["RssAnon"],
+        "peak_file_bytes": peaks["RssFile"],
+    }
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ Everything the CLI does is here, so a notebook can do the same:
 from __future__ import annotations
 
 import inspect
+import logging
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -43,6 +44,18 @@ class CausalLMModule(L.LightningModule):
         return None
 
 
+class _NoAdvert(logging.Filter):
+    """Drops Lightning's advert for its cloud logger, printed by every Trainer made without one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
+# Lightning's rank-zero messages go to whichever of these two loggers was set up last.
+for _name_ in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(_name_).addFilter(_NoAdvert())
+
+
 class IndexProgressBar(TQDMProgressBar):
     """Lightning's progress bar, with the indexer's numbers (gradian_rows, gradian_rows_per_s,
     gradian_eta_s) on the validation bar: `trainer.validate` has no training bar, which is where
@@ -54,6 +67,13 @@ class IndexProgressBar(TQDMProgressBar):
         super().on_validation_batch_end(trainer, pl_module, *args, **kwargs)
         if not trainer.sanity_checking and not trainer.training:
             self.val_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Close the bars (ending their line), so that the error printed next has a line of its own.
+        for bar in (self._val_progress_bar, getattr(self, "_train_progress_bar", None)):
+            if bar is not None and not bar.disable:
+                bar.leave = True
+                bar.close()
 
 
 def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
