@@ -6,10 +6,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import WORDS, make_model, write_jsonl
+from conftest import WORDS, make_model, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
-from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError, DataError
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.query import run_query
@@ -20,22 +19,8 @@ ROWS = [
 ]
 
 
-def settings(saved_model, train, path, *extra):
-    return load_config(
-        None,
-        [
-            f"model.name_or_path={saved_model}",
-            f"data.train={train}",
-            f"index.path={path}",
-            "grads.max_seq_length=24",
-            "grads.batch_size=3",
-            "grads.projection_dim=4",
-            "index.rows_per_chunk=5",
-            "trainer.accelerator=cpu",
-            "trainer.enable_progress_bar=false",
-            *extra,
-        ],
-    )
+def settings(model, train, path, *extra):
+    return tiny_settings(model, train, path, "grads.batch_size=3", "index.rows_per_chunk=5", *extra)
 
 
 def contents(path):

@@ -8,10 +8,9 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from conftest import ROWS, write_jsonl
+from conftest import ROWS, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
-from gradian_lightning.config import load_config
 from gradian_lightning.data import Fields
 from gradian_lightning.data_sources import first_repeat, id_hashes, open_rows
 from gradian_lightning.errors import DataError
@@ -21,21 +20,8 @@ from gradian_lightning.recipes.index import run_index
 FLAT = [r for r in ROWS if "messages" not in r]
 
 
-def settings(saved_model, train, path, *extra):
-    return load_config(
-        None,
-        [
-            f"model.name_or_path={saved_model}",
-            f"data.train={train}",
-            f"index.path={path}",
-            "grads.max_seq_length=24",
-            "grads.batch_size=3",
-            "grads.projection_dim=4",
-            "trainer.accelerator=cpu",
-            "trainer.enable_progress_bar=false",
-            *extra,
-        ],
-    )
+def settings(model, train, path, *extra):
+    return tiny_settings(model, train, path, "grads.batch_size=3", *extra)
 
 
 def stored(path):

@@ -3,10 +3,9 @@
 import os
 
 import pytest
-from conftest import ROWS, make_model, write_jsonl
+from conftest import ROWS, make_model, tiny_settings, write_jsonl
 
 from gradian_lightning import GradientIndexer
-from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import _other_weights
@@ -15,19 +14,7 @@ from gradian_lightning.recipes.query import run_query
 
 
 def settings(model, train, path, *extra):
-    return load_config(
-        None,
-        [
-            f"model.name_or_path={model}",
-            f"data.train={train}",
-            f"index.path={path}",
-            "grads.max_seq_length=24",
-            "grads.projection_dim=4",
-            "trainer.accelerator=cpu",
-            "trainer.enable_progress_bar=false",
-            *extra,
-        ],
-    )
+    return tiny_settings(model, train, path, *extra)
 
 
 def test_a_model_folder_without_a_tokenizer_is_refused(tmp_path, tokenizer):
