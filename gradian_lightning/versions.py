@@ -22,7 +22,17 @@ SUPPORTED: Dict[str, Tuple[str, str]] = {
     "fsspec": ("2023.10", "2027"),
     "datasets": ("3.0", "6"),
 }
-PACKAGES = ("gradian-lightning", "torch", "lightning", "transformers", "zarr", "omegaconf", "numpy", "fsspec", "datasets")
+PACKAGES = (
+    "gradian-lightning",
+    "torch",
+    "lightning",
+    "transformers",
+    "zarr",
+    "omegaconf",
+    "numpy",
+    "fsspec",
+    "datasets",
+)
 
 
 def package_versions() -> Dict[str, str]:
