@@ -53,26 +53,62 @@ One query:
       merged into a running top-k--> Ranking --recipes.query--> JSONL results
 """
 
-from gradian_lightning.callback import GradientIndexer
-from gradian_lightning.config import load_config
-from gradian_lightning.data import JsonlDataset, collate, read_jsonl
-from gradian_lightning.errors import GradianError
-from gradian_lightning.gradients.capture import LinearCapture, select_modules
-from gradian_lightning.gradients.loss import supervised_token_loss
-from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.index.session import IndexSession
-from gradian_lightning.index.writer import IndexWriter
-from gradian_lightning.query.rows import query_gradients
-from gradian_lightning.query.token_scores import query_token_scores
-from gradian_lightning.query.topk import Index, Ranking, open_index, score_all, streaming_topk
-from gradian_lightning.recipes.validate import run_validate
-from gradian_lightning.specs import IndexSpec, QuerySpec
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+# Each public name and the module that defines it, imported on first use (PEP 562): `gradian
+# --help` and a settings error then cost no torch, Lightning or transformers import (under 1 s).
+_WHERE = {
+    "GradientIndexer": "callback",
+    "load_config": "config",
+    "JsonlDataset": "data",
+    "TokenizedRows": "data",
+    "collate": "data",
+    "read_jsonl": "data",
+    "GradianError": "errors",
+    "LinearCapture": "gradients.capture",
+    "select_modules": "gradients.capture",
+    "supervised_token_loss": "gradients.loss",
+    "KroneckerProjector": "gradients.projection",
+    "IndexReader": "index.reader",
+    "IndexSession": "index.session",
+    "IndexWriter": "index.writer",
+    "query_gradients": "query.rows",
+    "query_token_scores": "query.token_scores",
+    "Index": "query.topk",
+    "Ranking": "query.topk",
+    "open_index": "query.topk",
+    "score_all": "query.topk",
+    "streaming_topk": "query.topk",
+    "run_validate": "recipes.validate",
+    "IndexSpec": "specs",
+    "QuerySpec": "specs",
+}
+
+if TYPE_CHECKING:
+    from gradian_lightning.callback import GradientIndexer
+    from gradian_lightning.config import load_config
+    from gradian_lightning.data import JsonlDataset, TokenizedRows, collate, read_jsonl
+    from gradian_lightning.errors import GradianError
+    from gradian_lightning.gradients.capture import LinearCapture, select_modules
+    from gradian_lightning.gradients.loss import supervised_token_loss
+    from gradian_lightning.gradients.projection import KroneckerProjector
+    from gradian_lightning.index.reader import IndexReader
+    from gradian_lightning.index.session import IndexSession
+    from gradian_lightning.index.writer import IndexWriter
+    from gradian_lightning.query.rows import query_gradients
+    from gradian_lightning.query.token_scores import query_token_scores
+    from gradian_lightning.query.topk import Index, Ranking, open_index, score_all, streaming_topk
+    from gradian_lightning.recipes.validate import run_validate
+    from gradian_lightning.specs import IndexSpec, QuerySpec
 
 __all__ = [
+    "GradianError",
     "GradientIndexer",
     "Index",
-    "GradianError",
     "IndexReader",
     "IndexSession",
     "IndexSpec",
@@ -82,6 +118,7 @@ __all__ = [
     "LinearCapture",
     "QuerySpec",
     "Ranking",
+    "TokenizedRows",
     "collate",
     "load_config",
     "open_index",
@@ -94,3 +131,15 @@ __all__ = [
     "streaming_topk",
     "supervised_token_loss",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:  # the ordinary lookup, and its AttributeError (what hasattr expects)
+        return object.__getattribute__(sys.modules[__name__], name)
+    value = getattr(importlib.import_module(f"gradian_lightning.{_WHERE[name]}"), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list:
+    return sorted([*globals(), *_WHERE])

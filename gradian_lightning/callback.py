@@ -61,7 +61,7 @@ class GradientIndexer(L.Callback):
     positions), as `gradian_lightning.data.collate` makes them.
 
     Args:
-        path, overwrite, meta, rows_per_chunk, checkpoints: the `IndexSession`'s (index/session.py);
+        path, overwrite, meta, rows_per_chunk, checkpoints, append: the `IndexSession`'s (index/session.py);
             `{step}` in `path` keeps one index per validation run, keyed by global step; with
             `checkpoints` every run is one checkpoint of one index, with the first optimizer's
             learning rate.
@@ -90,12 +90,13 @@ class GradientIndexer(L.Callback):
         rows_per_chunk: Optional[int] = None,
         checkpoints: bool = False,
         every_n_val_runs: int = 1,
+        append: bool = False,
         **spec_settings: Any,
     ) -> None:
         own = ("path", "dataloader_idx", "model_attribute", "overwrite", "meta", "verbose")
-        own += ("rows_per_chunk", "checkpoints", "every_n_val_runs")
+        own += ("rows_per_chunk", "checkpoints", "every_n_val_runs", "append")
         spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
-        options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta}
+        options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta, "append": append}
         self.session = IndexSession(spec, path, overwrite=overwrite, **options)
         _check_arguments(dataloader_idx, model_attribute, verbose, every_n_val_runs)
         self.dataloader_idx, self.model_attribute = dataloader_idx, model_attribute

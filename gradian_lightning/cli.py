@@ -53,11 +53,11 @@ def _print_rows_summary(summary: dict, head: str, indent: str) -> None:
 
 def _index(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # settings errors before torch and Lightning import
     from gradian_lightning.recipes.index import run_index
 
-    _print_index_summary(
-        run_index(load_config(args.config, args.overrides), announce=lambda line: print(line, flush=True))
-    )
+    _print_index_summary(run_index(cfg, announce=lambda line: print(line, flush=True)))
 
 
 def _doctor(args: argparse.Namespace) -> None:
@@ -73,10 +73,12 @@ def _plan(args: argparse.Namespace) -> None:
     import json
 
     from gradian_lightning.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
     from gradian_lightning.recipes.plan import format_plan, make_plan, parse_bytes
 
     memory = parse_bytes(args.device_memory) if args.device_memory else None
-    plan = make_plan(load_config(args.config, args.overrides), memory)
+    plan = make_plan(cfg, memory)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
 
 
@@ -102,9 +104,10 @@ def _rows_ranked(answer: dict) -> str:
 
 def _query(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
-    from gradian_lightning.recipes.query import run_query
 
     cfg = load_config(args.config, args.overrides)
+    from gradian_lightning.recipes.query import run_query
+
     answer = run_query(cfg)
     _print_query_table(answer["results"], answer["queries"], answer["train_rows"])
     where = f"; written to {cfg.query.output}" if cfg.query.output else " (set query.output=FILE.jsonl to keep them)"
@@ -115,9 +118,11 @@ def _query(args: argparse.Namespace) -> None:
 
 def _validate(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
     from gradian_lightning.recipes.validate import run_validate
 
-    report = run_validate(load_config(args.config, args.overrides))
+    report = run_validate(cfg)
     n = report["num_subsets"]
     print(
         f"\ngradian validate: LDS over {n} retrained subsets ({report['repeats']} run(s) each), mean ± standard error over {report['queries']} queries"
@@ -136,9 +141,11 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _report(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
     from gradian_lightning.recipes.report import run_report
 
-    print(f"gradian report: written to {run_report(load_config(args.config, args.overrides))}")
+    print(f"gradian report: written to {run_report(cfg)}")
 
 
 def _quickstart(args: argparse.Namespace) -> None:

@@ -37,7 +37,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "???"  # JSONL: prompt/completion, messages or text rows, optional id
+    # What datasets reads (data_sources.py): a JSONL/JSON/parquet/arrow/CSV file (.gz too), a
+    # save_to_disk folder, or a hub name:split; prompt/completion, messages or text rows, optional id.
+    train: str = "???"
+    # The columns that hold each part of a row (in data.train and query.data alike).
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    text_field: str = "text"
+    id_field: str = "id"
 
 
 @dataclass
@@ -52,6 +60,8 @@ class GradsData:
 class IndexConfig:
     path: str = "gradian_index"
     overwrite: bool = False  # replace an index of another configuration found at path
+    # Add data.train's rows after the rows of the index at path (same spec and weights), instead of replacing it.
+    append: bool = False
     rows_per_chunk: Optional[int] = None  # rows per stored chunk; null: about 4 MiB of them
 
 
@@ -239,6 +249,15 @@ def check_settings(cfg: DictConfig) -> None:
         cfg.index.path,
         "a directory path or fsspec URL for the zarr index",
     )
+    check(
+        not (cfg.index.append and cfg.index.overwrite),
+        "index.append",
+        cfg.index.append,
+        "false with index.overwrite=true (appending keeps the index that overwriting replaces)",
+    )
+    for name in ("prompt", "completion", "messages", "text", "id"):
+        value = cfg.data[f"{name}_field"]
+        check(bool(str(value).strip()), f"data.{name}_field", value, "a column name")
     check(cfg.report.token_rows >= 0, "report.token_rows", cfg.report.token_rows, "an integer >= 0")
     v = cfg.validate
     check(v.num_subsets >= 2, "validate.num_subsets", v.num_subsets, "an integer >= 2 (a rank correlation needs two)")

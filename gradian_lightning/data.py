@@ -1,10 +1,13 @@
-"""JSONL rows -> tokenized examples -> padded batches.
+"""Data rows -> tokenized examples -> padded batches.
 
-Each row is one of three formats, detected per row:
+Rows come from a list of dicts (`read_jsonl`) or a `datasets.Dataset` (data_sources.py reads any
+file, folder or hub name into one). Each row is one of three formats, detected per row:
   - `prompt` + `completion`: the completion is supervised (and the EOS token after it);
   - `messages`: rendered with the tokenizer's chat template; assistant turns are supervised;
   - `text`: every token is supervised.
 An optional `id` column names the row in results; without it the row's position is its id.
+Columns named otherwise are mapped by `Fields` (the `data.*_field` settings); a null value is
+an absent one, as in a `datasets` table whose rows have different formats.
 
 Every format becomes (text, supervised character spans); the tokenizer's offset mapping turns the
 spans into labels, with -100 on unsupervised tokens. This keeps the three formats on one path.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -23,6 +27,27 @@ from torch.utils.data import Dataset
 from gradian_lightning.errors import DataError
 
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which column holds each part of a row (the `data.*_field` settings): a Hugging Face
+    dataset's `question`/`answer` columns are `Fields(prompt="question", completion="answer")`."""
+
+    prompt: str = "prompt"
+    completion: str = "completion"
+    messages: str = "messages"
+    text: str = "text"
+    id: str = "id"
+
+    @classmethod
+    def from_config(cls, data_cfg: Any) -> "Fields":
+        """From the `data.*_field` settings of a config's `data` section."""
+        return cls(**{f.name: str(data_cfg[f"{f.name}_field"]) for f in dataclass_fields(cls)})
+
+    def row(self, raw: Dict[str, Any]) -> Dict[str, Any]:
+        """The row under gradian's names (prompt, completion, messages, text, id), nulls dropped."""
+        return {f.name: raw[col] for f in dataclass_fields(self) if raw.get(col := getattr(self, f.name)) is not None}
 
 
 def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:
@@ -181,25 +206,54 @@ def tokenize_row(tokenizer: Any, row: Dict[str, Any], index: int, max_seq_length
     return Example(index, str(row_id), ids[:max_seq_length], labels[:max_seq_length], dropped)
 
 
-class JsonlDataset(Dataset):
-    """Tokenized rows (as read by `read_jsonl`). Item `i` is an `Example` with `index == i`.
+class TokenizedRows(Dataset):
+    """Rows tokenized one at a time, as the data loader asks for them: item `i` is the `Example`
+    of row `i` (`index == i`), so memory does not grow with the number of rows.
 
-    `source` names the file in errors.
+    `rows`: a `datasets.Dataset` (memory-mapped: nothing is held per row) or a sequence of dicts.
+    `source` names the data in errors; `fields` maps its columns. A row without an id gets
+    `first_id + i`: an index that these rows are appended to (index.append) starts them after its own.
     """
+
+    def __init__(
+        self,
+        rows: Any,
+        tokenizer: Any,
+        max_seq_length: int,
+        source: str = "data",
+        fields: Optional[Fields] = None,
+        first_id: int = 0,
+    ) -> None:
+        self.rows, self.tokenizer, self.max_seq_length = rows, tokenizer, max_seq_length
+        self.source, self.fields, self.first_id = source, fields or Fields(), first_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, i: int) -> Dict[str, Any]:
+        """Row `i` under gradian's names (`Fields.row`)."""
+        return self.fields.row(self.rows[i])
+
+    def __getitem__(self, i: int) -> Example:
+        row = self.row(i)
+        try:
+            example = tokenize_row(self.tokenizer, row, i, self.max_seq_length)
+        except DataError as err:
+            raise DataError(f"{self.source} row {i + 1}: {err}") from None
+        if "id" not in row:
+            example.id = str(self.first_id + i)
+        return example
+
+
+class JsonlDataset(TokenizedRows):
+    """Rows (as read by `read_jsonl`) tokenized at once, kept in `examples`: a row's error fails
+    here. For small row sets (queries, tests); `TokenizedRows` holds none in memory."""
 
     def __init__(
         self, rows: Sequence[Dict[str, Any]], tokenizer: Any, max_seq_length: int, source: str = "data"
     ) -> None:
-        self.rows = list(rows)
-        self.examples = []
-        for i, row in enumerate(self.rows):
-            try:
-                self.examples.append(tokenize_row(tokenizer, row, i, max_seq_length))
-            except DataError as err:
-                raise DataError(f"{source} row {i + 1}: {err}") from None
-
-    def __len__(self) -> int:
-        return len(self.examples)
+        super().__init__(list(rows), tokenizer, max_seq_length, source)
+        self.examples = [super(JsonlDataset, self).__getitem__(i) for i in range(len(self.rows))]
 
     def __getitem__(self, i: int) -> Example:
         return self.examples[i]

@@ -33,6 +33,31 @@ def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:
         ) from None
 
 
+# Any one of these is a tokenizer that from_pretrained can load from a local folder.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tokenizer_config.json",
+)
+
+
+def check_tokenizer_files(name: str) -> None:
+    """`ConfigError` when a local model folder holds no tokenizer: transformers would fail with a
+    message that names no file, or fall back to a tokenizer that supervises nothing."""
+    folder = Path(name)
+    if (
+        folder.is_dir()
+        and (folder / "config.json").is_file()
+        and not any((folder / f).is_file() for f in TOKENIZER_FILES)
+    ):
+        raise ConfigError(
+            f"setting 'model.name_or_path'={name!r} is a model folder without tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); save the tokenizer beside the model (tokenizer.save_pretrained(folder))"
+        )
+
+
 def _pretrained_args(model_cfg: DictConfig) -> Tuple[str, Dict[str, Any]]:
     name = os.path.expanduser(model_cfg.name_or_path)  # "~/..." in a YAML file means the home directory
     return name, {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
@@ -43,6 +68,7 @@ def load_model_and_tokenizer(model_cfg: DictConfig) -> Tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, kwargs = _pretrained_args(model_cfg)
+    check_tokenizer_files(name)
     dtype = model_cfg.dtype if model_cfg.dtype == "auto" else getattr(torch, model_cfg.dtype)
     tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name, use_fast=True, **kwargs)
     model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name, dtype=dtype, **kwargs)
@@ -54,6 +80,7 @@ def load_tokenizer_and_config(model_cfg: DictConfig) -> Tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     name, kwargs = _pretrained_args(model_cfg)
+    check_tokenizer_files(name)
     tokenizer = _from_pretrained(AutoTokenizer.from_pretrained, name, use_fast=True, **kwargs)
     return tokenizer, _from_pretrained(AutoConfig.from_pretrained, name, **kwargs)
 

@@ -20,8 +20,19 @@ SUPPORTED: Dict[str, Tuple[str, str]] = {
     "omegaconf": ("2.3", "2.5"),
     "numpy": ("1.24", "3"),
     "fsspec": ("2023.10", "2027"),
+    "datasets": ("3.0", "6"),
 }
-PACKAGES = ("gradian-lightning", "torch", "lightning", "transformers", "zarr", "omegaconf", "numpy", "fsspec")
+PACKAGES = (
+    "gradian-lightning",
+    "torch",
+    "lightning",
+    "transformers",
+    "zarr",
+    "omegaconf",
+    "numpy",
+    "fsspec",
+    "datasets",
+)
 
 
 def package_versions() -> Dict[str, str]:

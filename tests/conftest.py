@@ -176,3 +176,22 @@ def saved_activation_bytes(model, ids, autocast=None, recompute="none") -> int:
     outside = sum(size for layer, size in saved.values() if layer is None)
     largest = max(sum(size for layer, size in saved.values() if layer == i) for i in range(len(layers)))
     return outside + largest + sum(inputs.values())
+
+
+def tiny_settings(model, train, path, *extra):
+    """`load_config` of a quick CPU index run of `model` on `train` into `path` (k = 4, 24 tokens), plus `extra` overrides."""
+    from gradian_lightning.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={model}",
+            f"data.train={train}",
+            f"index.path={path}",
+            "grads.max_seq_length=24",
+            "grads.projection_dim=4",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+            *extra,
+        ],
+    )

@@ -14,6 +14,7 @@ empty filesystem there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -139,8 +140,18 @@ class Location:
         """
         if self.local is None or fcntl is None:
             return None
-        self.local.mkdir(parents=True, exist_ok=True)
-        handle = open(self.local / LOCK_FILE, "a+")
+        self.check_creatable()
+        # What this lock adds to the user's disk, so that a refused run takes it away again (`unlock`).
+        self._made = [p for p in (self.local, *self.local.parents) if not p.exists()][::-1] + [
+            self.local / LOCK_FILE
+        ] * (not (self.local / LOCK_FILE).exists())
+        try:
+            self.local.mkdir(parents=True, exist_ok=True)
+            handle = open(self.local / LOCK_FILE, "a+")
+        except OSError as err:
+            raise ConfigError(
+                f"setting 'index.path'={self.text!r} cannot be created ({type(err).__name__}: {err.strerror or err}); point index.path at a folder you can write"
+            ) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -157,6 +168,29 @@ class Location:
         handle.write(str(os.getpid()))
         handle.flush()
         return handle
+
+    def check_creatable(self) -> None:
+        """`ConfigError` when a local index.path is a file, or lies under one: no folder can be made there."""
+        if self.local is None:
+            return
+        for place in (self.local, *self.local.parents):
+            if place.exists():
+                if not place.is_dir():
+                    what = "is a file" if place == self.local else f"lies under {str(place)!r}, a file"
+                    raise ConfigError(
+                        f"setting 'index.path'={self.text!r} {what}; an index is a folder: point index.path at a new or existing folder"
+                    )
+                return
+
+    def unlock(self, handle: IO[str], refused: bool) -> None:
+        """Release `writer_lock`'s lock; after a refusal (`refused`), also remove the lock file and
+        the folders it made, when nothing else was put there: a refused run leaves the disk as it was."""
+        handle.close()
+        if not refused:
+            return
+        for made in reversed(getattr(self, "_made", [])):
+            with contextlib.suppress(OSError):  # a folder something else was written to stays
+                made.rmdir() if made.is_dir() else made.unlink()
 
     def refuse_working_folder(self) -> None:
         """`ConfigError` when this is the working folder or a folder above it: never one to remove."""

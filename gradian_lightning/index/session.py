@@ -71,6 +71,8 @@ class IndexSession:
         rows_per_chunk: rows per stored grads chunk (default about 4 MiB): what a killed run loses at most.
         checkpoints: each `begin` adds checkpoint `step` to one index at `path` (index/checkpoints.py)
             instead of replacing it.
+        append: `begin(num_rows)`'s rows go after the rows of the complete index at `path`, made
+            with the same spec and weights (index/writer.py); positions in batches are of these rows.
         meta: plain JSON data stored in the index attributes, e.g. "data" {path, sha256,
             max_seq_length} and "config" (the CLI's).
 
@@ -86,8 +88,10 @@ class IndexSession:
         rows_per_chunk: Optional[int] = None,
         checkpoints: bool = False,
         meta: Optional[Dict[str, Any]] = None,
+        append: bool = False,
     ) -> None:
-        _check_arguments(path, overwrite, rows_per_chunk, checkpoints, meta)
+        _check_arguments(path, overwrite, rows_per_chunk, checkpoints, meta, append)
+        self.append = append
         self.spec, self.path_template = spec, str(path)
         self.overwrite, self.rows_per_chunk, self.checkpoints = overwrite, rows_per_chunk, checkpoints
         self.extra_meta = dict(meta or {})
@@ -151,7 +155,9 @@ class IndexSession:
             self._checkpoint = (path, int(step), lr)
             path = register_checkpoint(path, step, lr, meta, complete=False, overwrite=self.overwrite)
         width, dtype = self.gradient_rows.projector.width, self.spec.storage_dtype
-        self._writer = IndexWriter(path, num_rows, width, dtype, meta, self.overwrite, self.rows_per_chunk)
+        self._writer = IndexWriter(
+            path, num_rows, width, dtype, meta, self.overwrite, self.rows_per_chunk, append=self.append
+        )
         self.expect(self._writer.todo)
         return self.todo
 
@@ -293,7 +299,7 @@ def _not_open(call: str) -> GradianError:
     )
 
 
-def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints: Any, meta: Any) -> None:
+def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints: Any, meta: Any, append: Any) -> None:
     """The session's own arguments, each refused in one `ConfigError` line (the spec checks itself)."""
     rules = {
         "path": (
@@ -308,6 +314,11 @@ def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints
             "None or an integer >= 1",
         ),
         "checkpoints": (checkpoints, isinstance(checkpoints, bool), "True or False"),
+        "append": (
+            append,
+            isinstance(append, bool) and not (append and (overwrite is True or checkpoints is True)),
+            "True or False, and False with overwrite=True or checkpoints=True",
+        ),
         "meta": (meta, meta is None or isinstance(meta, dict), "None or a dict of JSON data"),
     }
     for name, (value, ok, allowed) in rules.items():
@@ -325,7 +336,8 @@ def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints
         raise ConfigError(
             f"GradientIndexer(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None"
         ) from None
-    Location(str(path).format(step=0))  # an s3:// or gs:// path without its filesystem fails here
+    # An s3:// or gs:// path without its filesystem, or a local path that is a file, fails here.
+    Location(str(path).format(step=0)).check_creatable()
 
 
 def summarize(writer: IndexWriter, complete: bool) -> Dict[str, Any]:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.errors import ConfigError, GradianError, IndexWriteError
+from gradian_lightning.data_sources import ID_BATCH, id_hashes, index_segments
+from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
 from gradian_lightning.index.layout import (
     ATTRIBUTE,
     FORMAT_VERSION,
@@ -24,6 +25,7 @@ from gradian_lightning.index.layout import (
     chunk_rows,
     decode,
     encode,
+    fingerprint,
     has_member,
     identity,
     module_blocks,
@@ -91,8 +93,14 @@ class IndexWriter:
         meta: Dict[str, Any],
         overwrite: bool = False,
         rows_per_chunk: Optional[int] = None,
+        append: bool = False,
     ) -> None:
         self.path, self.num_rows, self.width, self.storage_dtype = Location(path), num_rows, width, storage_dtype
+        # append: this run's num_rows rows go after the `offset` rows of the complete index at path
+        # (`_open_to_append`); `write` and `todo` then speak of this run's rows, 0 .. num_rows - 1.
+        self.append, self.offset = append, 0
+        self._base_statistics: Optional[RowStatistics] = None
+        self._old_ids: Optional[Tuple[np.ndarray, np.ndarray]] = None
         # The spec's one record of the storage dtype is what this writer encodes with.
         spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
         self.meta = {
@@ -111,7 +119,7 @@ class IndexWriter:
         try:
             self.group = self._open_or_create(overwrite)
         except BaseException:
-            self._release()
+            self._release(refused=True)
             raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
         self.blocks = module_blocks(self.meta)
@@ -119,18 +127,22 @@ class IndexWriter:
         # compute every row's norms, so a partial array would only be a second truth.
         self.store_norms = has_member(self.group, NORMS, zarr.Array)
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
-        self.kept_rows = int(self.done.sum())  # rows an earlier, interrupted run already wrote
+        self.kept_rows = int(self.done[self.offset :].sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
         self.nonfinite_rows: List[int] = []
         # Second moments of the rows this writer flushes; rows complete before it started are
         # read back on close instead (statistics.py: why that never double-counts).
         self.statistics = RowStatistics.empty(module_blocks(self.meta), width)
         self._done_before = self.done.copy()
+        if self._base_statistics is not None:
+            # Appending to a complete index: its stored statistics are exactly those of its rows,
+            # and this run's rows are added into them in the order a build over all rows would add them.
+            self.statistics, self._done_before[:] = self._base_statistics, False
 
     @property
     def todo(self) -> np.ndarray:
-        """Bool [N]: rows still to be written."""
-        return ~self.done
+        """Bool [num_rows of this run]: rows still to be written."""
+        return ~self.done[self.offset :]
 
     def _open_or_create(self, overwrite: bool) -> zarr.Group:
         try:
@@ -148,6 +160,12 @@ class IndexWriter:
     def _open_or_create_unchecked(self, overwrite: bool) -> zarr.Group:
         if not self.path.is_empty():
             old = stored_meta(self.path)
+            if (
+                self.append
+                and old is not None
+                and (old.get("segments") or old.get("fingerprint") != self.meta.get("fingerprint"))
+            ):
+                return self._open_to_append(old)
             same_job = (
                 old is not None
                 and old.get("fingerprint") == self.meta.get("fingerprint")
@@ -193,6 +211,85 @@ class IndexWriter:
         group.attrs[ATTRIBUTE] = self.meta
         return group
 
+    def _open_to_append(self, old: Dict[str, Any]) -> zarr.Group:
+        """Open the index `old` describes to add this run's rows after its own: resuming this
+        run if it is the index's last append, else checking the index takes them (the same
+        identity but for the data, the same weights, complete) and growing every per-row array."""
+        segments = index_segments(old)
+        run = {"data": self.meta.get("data"), "rows": self.num_rows, "fingerprint": self.meta.get("fingerprint")}
+        last = segments[-1]
+        if last.get("fingerprint") == run["fingerprint"] and last["rows"] == self.num_rows:
+            self.offset = int(last["offset"])  # an interrupted (or finished) append of these rows: resume it
+            self.num_rows, self.meta = int(old["num_rows"]), {**old, "complete": False}
+            group = self.path.open_group("r+")
+            group.attrs[ATTRIBUTE] = self.meta
+            self._old_ids = self._id_hashes(group, self.offset)
+            return group
+        if old.get("checkpoints"):
+            raise ConfigError(
+                f"index.append=true adds rows to a one-checkpoint index, and {str(self.path)!r} holds checkpoints; choose another index.path"
+            )
+        same = {"data": None, "num_rows": 0}
+        differing = [k for k in differing_keys({**old, **same}, {**self.meta, **same}) if k != "fingerprint"]
+        if differing:
+            raise ConfigError(
+                f"index.append=true adds rows made as the rows of the index at {str(self.path)!r} were, and these differ (differing: {', '.join(differing)}); append with its settings, or choose another index.path"
+            )
+        was, now = ((m.get("model") or {}).get("weights_sha256") for m in (old, self.meta))
+        if was != now:
+            raise ConfigError(
+                f"index.append=true adds rows made with the weights the index at {str(self.path)!r} was built from (weights digest {was}); this model's are {now}; append with that model, or choose another index.path"
+            )
+        if not old.get("complete"):
+            raise ConfigError(
+                f"index.append=true adds rows to a complete index, and the one at {str(self.path)!r} is unfinished; rerun the command that was writing it to finish it first"
+            )
+        self.offset, total = int(old["num_rows"]), int(old["num_rows"]) + self.num_rows
+        segments.append({**run, "offset": self.offset})
+        self.num_rows = total
+        self.meta = {
+            **old,
+            "num_rows": total,
+            "segments": segments,
+            "fingerprint": fingerprint({"segments": [s["fingerprint"] for s in segments]}),
+            "complete": False,
+        }
+        group = self.path.open_group("r+")
+        for name in ("grads", NORMS, *ROW_ARRAYS):
+            if has_member(group, name, zarr.Array):
+                array = group[name]
+                array.resize((total, *array.shape[1:]))
+                if name in ROW_ARRAYS:  # the new rows start unwritten, whatever a partial last chunk held
+                    array[self.offset :] = np.full(self.num_rows - self.offset, ROW_ARRAYS[name][1], dtype=array.dtype)
+        if has_member(group, STATISTICS_GROUP, zarr.Group):
+            group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)  # its whitened norms are of the old rows only
+        self._base_statistics = RowStatistics.load(group)
+        self._old_ids = self._id_hashes(group, self.offset)
+        group.attrs[ATTRIBUTE] = self.meta
+        return group
+
+    @staticmethod
+    def _id_hashes(group: zarr.Group, rows: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(sorted hashes, their positions) of the ids of the first `rows` rows: 16 bytes a row."""
+        hashes = id_hashes(
+            (group["id"][lo : min(lo + ID_BATCH, rows)].tolist() for lo in range(0, rows, ID_BATCH)), rows
+        )
+        order = np.argsort(hashes, kind="stable")
+        return hashes[order], order
+
+    def _refuse_repeated_ids(self, ids: Sequence[str]) -> None:
+        """`DataError` naming an appended row's id that a row of the index before it holds."""
+        hashes, order = self._old_ids
+        for value in ids:
+            h = hash(str(value))
+            at = int(np.searchsorted(hashes, h))
+            while at < len(hashes) and hashes[at] == h:
+                if str(self.group["id"][int(order[at])]) == str(value):
+                    raise DataError(
+                        f"appended row id {str(value)!r} is also the id of row {int(order[at]) + 1} of the index at {str(self.path)!r}; ids name rows in results, so appended rows need ids of their own (rows without an id column are numbered on by gradian index)"
+                    )
+                at += 1
+
     def write(
         self,
         indices: Sequence[int],
@@ -202,10 +299,14 @@ class IndexWriter:
         truncated: torch.Tensor,
         ids: Sequence[str],
     ) -> None:
-        """Buffer rows (float32 grads [b, D]; loss, supervised, truncated [b]) and flush full chunks.
+        """Buffer rows (float32 grads [b, D]; loss, supervised, truncated [b]) at `indices`, positions
+        among this run's rows, and flush full chunks.
 
         Rows with NaN/inf are stored as zeros with `finite=False` and listed in `nonfinite_rows`.
         """
+        indices = [int(i) + self.offset for i in indices]
+        if self._old_ids is not None:
+            self._refuse_repeated_ids(ids)
         finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(loss)
         grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
         stored = encode(grads, self.storage_dtype)
@@ -239,9 +340,9 @@ class IndexWriter:
                 f"no space left where index.path {str(self.path)!r} is stored ({int(self.done.sum())} of {self.num_rows} rows are safely written); free some space, then rerun the same command: it resumes from those rows"
             ) from None
 
-    def _release(self) -> None:
+    def _release(self, refused: bool = False) -> None:
         if self._lock is not None:
-            self._lock.close()
+            self.path.unlock(self._lock, refused)
             self._lock = None
 
     def _flush(self, c: int) -> None:

@@ -114,7 +114,8 @@ def _weights_mismatch(
 def _other_weights(here: str, indexed: str, name: Optional[str], meta: Dict[str, Any]) -> str:
     """The phrase for a model whose weights are not the ones these rows were made with."""
     at = f" at step {meta['global_step']}" if meta.get("global_step") is not None else ""
-    phrase = f"the model's weights are not those the index was built with{at} (weights digest {here} here, {indexed} in the index, built from {name!r})"
+    built = f", built from {name!r}" if name else ""  # an index written from Python may not name its model
+    phrase = f"the model's weights are not those the index was built with{at} (weights digest {here} here, {indexed} in the index{built})"
     held = [int(e["step"]) for e in meta.get("checkpoints", []) if e.get("weights_sha256") == here]
     if held:
         return (

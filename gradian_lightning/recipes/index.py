@@ -8,7 +8,9 @@ Everything the CLI does is here, so a notebook can do the same:
 from __future__ import annotations
 
 import inspect
+import logging
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import lightning as L
@@ -19,9 +21,11 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
-from gradian_lightning.data import JsonlDataset, collate, read_jsonl
+from gradian_lightning.data import Fields, TokenizedRows, collate
+from gradian_lightning.data_sources import describe_source, index_segments, open_rows
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.hub import file_sha256, load_model_and_tokenizer, normalized_name, pad_token_id
+from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
+from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
@@ -40,6 +44,18 @@ class CausalLMModule(L.LightningModule):
         return None
 
 
+class _NoAdvert(logging.Filter):
+    """Drops Lightning's advert for its cloud logger, printed by every Trainer made without one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
+# Lightning's rank-zero messages go to whichever of these two loggers was set up last.
+for _name_ in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(_name_).addFilter(_NoAdvert())
+
+
 class IndexProgressBar(TQDMProgressBar):
     """Lightning's progress bar, with the indexer's numbers (gradian_rows, gradian_rows_per_s,
     gradian_eta_s) on the validation bar: `trainer.validate` has no training bar, which is where
@@ -51,6 +67,13 @@ class IndexProgressBar(TQDMProgressBar):
         super().on_validation_batch_end(trainer, pl_module, *args, **kwargs)
         if not trainer.sanity_checking and not trainer.training:
             self.val_progress_bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Close the bars (ending their line), so that the error printed next has a line of its own.
+        for bar in (self._val_progress_bar, getattr(self, "_train_progress_bar", None)):
+            if bar is not None and not bar.disable:
+                bar.leave = True
+                bar.close()
 
 
 def make_trainer(cfg: DictConfig, callbacks: list) -> L.Trainer:
@@ -85,8 +108,20 @@ def _trainer_accepts(quiet: Dict[str, Any], key: str, value: Any) -> bool:
     return True
 
 
-def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None) -> Optional[Dict[str, Any]]:
-    """Index `cfg.data.train` into `cfg.index.path`. Returns what was written (`IndexSession.finish`'s
+def data_meta(cfg: DictConfig, source: Any, rows: Any) -> Dict[str, Any]:
+    """The index's record of its data: the source ("path", resolved: a resume from another folder
+    is the same job; None for a Python Dataset), its "fingerprint" (and a file's "sha256"), the
+    column mapping where it is not the default, and max_seq_length."""
+    fields = Fields.from_config(cfg.data)
+    described = {k: v for k, v in describe_source(source, rows).items() if k != "num_rows"}
+    mapped = {k: v for k, v in vars(fields).items() if v != getattr(Fields(), k)}
+    return {**described, **({"fields": mapped} if mapped else {}), "max_seq_length": cfg.grads.max_seq_length}
+
+
+def run_index(
+    cfg: DictConfig, announce: Optional[Callable[[str], None]] = None, train: Any = None
+) -> Optional[Dict[str, Any]]:
+    """Index `cfg.data.train` (or `train`, a `datasets.Dataset`, from Python) into `cfg.index.path`. Returns what was written (`IndexSession.finish`'s
     summary); with `model.checkpoints`, one summary of the whole index with each checkpoint's under
     "checkpoints" and the whole index's bytes on disk.
 
@@ -95,8 +130,10 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     `announce` (e.g. `print`) gets one line before the first batch: rows, modules, row width and
     the predicted size of the whole index, as `gradian plan` computes them.
     """
-    require(cfg, "model.name_or_path", "data.train")
-    rows = read_jsonl(cfg.data.train)  # data mistakes fail before the model loads
+    require(cfg, "model.name_or_path", *(() if train is not None else ("data.train",)))
+    source = train if train is not None else cfg.data.train
+    fields = Fields.from_config(cfg.data)
+    rows = open_rows(source, fields)  # data mistakes fail before the model loads
     g, spec = cfg.grads, IndexSpec.from_config(cfg.grads)
     config = OmegaConf.to_container(cfg, resolve=True)
     # The spec is stored once, under "spec"; the config keeps what is not in it.
@@ -104,12 +141,10 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     meta = {
         "config": config,
         "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
-        "data": {
-            "path": normalized_name(str(cfg.data.train)),  # resolved: a resume from another folder is the same job
-            "sha256": file_sha256(cfg.data.train),
-            "max_seq_length": g.max_seq_length,
-        },
+        "data": data_meta(cfg, source, rows),
     }
+    # Appended rows without an id are numbered on from the index's rows (index/writer.py).
+    first_id = appended_after(str(cfg.index.path), meta["data"]) if cfg.index.append else 0
     # Steps and learning rates of model.checkpoints: a bad list fails before any model loads.
     checkpoints = saved_models(cfg.model.checkpoints or [])
     indexer = GradientIndexer(
@@ -119,6 +154,7 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
         meta=meta,  # an s3:// or gs:// index.path whose filesystem is not installed fails here too
         rows_per_chunk=cfg.index.rows_per_chunk,
         checkpoints=bool(checkpoints),
+        append=cfg.index.append,
         verbose=False,  # the CLI prints the summary
     )
     session = indexer.session
@@ -126,7 +162,9 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     # model.checkpoints: one index, one checkpoint per saved model, keyed by its step (saved_models.py).
     for run, saved in enumerate(checkpoints or [None]):
         model, tokenizer = load_saved_model(cfg.model, saved.entry) if saved else load_model_and_tokenizer(cfg.model)
-        dataset = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train))
+        dataset = TokenizedRows(
+            rows, tokenizer, g.max_seq_length, source=_name(source), fields=fields, first_id=first_id
+        )
         if not run and announce is not None and trainer.is_global_zero:  # before the launch: ranks > 0 know their rank
             layout = index_layout(model, spec, len(dataset))
             announce(
@@ -152,6 +190,22 @@ def run_index(cfg: DictConfig, announce: Optional[Callable[[str], None]] = None)
     if not checkpoints:
         return session.summaries[-1]
     return whole_index_summary(session.summaries, str(cfg.index.path))
+
+
+def appended_after(path: str, data: Dict[str, Any]) -> int:
+    """The row after which index.append puts `data`'s rows in the index at `path`: its last
+    segment's start when that is `data` (a resumed or repeated append), else its row count."""
+    if "{step}" in path or Location(path).is_empty():
+        return 0
+    stored = stored_meta(path)
+    if stored is None:
+        return 0
+    last = index_segments(stored)[-1]
+    return int(last["offset"]) if last["data"] == data else int(stored["num_rows"])
+
+
+def _name(source: Any) -> str:
+    return str(source) if isinstance(source, (str, Path)) else "data.train"
 
 
 def whole_index_summary(summaries: List[Dict[str, Any]], root: str) -> Dict[str, Any]:

@@ -19,9 +19,9 @@ import torch
 from omegaconf import OmegaConf
 
 from gradian_lightning.config import is_given, require
-from gradian_lightning.data import read_jsonl
+from gradian_lightning.data import Fields
+from gradian_lightning.data_sources import indexed_rows, open_rows
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.hub import file_sha256
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
@@ -214,21 +214,33 @@ def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
     index, spec, given = open_for_query(cfg)
     steps = sorted({int(e["step"]) for q in scorings for e, _ in checkpoint_weights(index.checkpoints, q.checkpoints)})
     which = "last" if steps == [index.step] else steps
-    made = make_query_rows(cfg, index, read_jsonl(cfg.query.data), spec, given, which)
+    made = make_query_rows(cfg, index, read_queries(cfg), spec, given, which)
     return [score_all(index, made.rows, q, device=made.device).numpy() for q in scorings]
 
 
-def run_query(cfg: Any) -> Dict[str, Any]:
-    """Answer `cfg.query.data` against the index at `cfg.index.path`; write `cfg.query.output` if set.
+def read_queries(cfg: Any, queries: Any = None) -> List[Dict[str, Any]]:
+    """The query rows of `cfg.query.data` (or `queries`, a `datasets.Dataset` or list of dicts,
+    from Python), under gradian's names (the `data.*_field` mapping): a query set is small."""
+    fields = Fields.from_config(cfg.data)
+    if isinstance(queries, list):
+        return [dict(r) for r in queries]
+    dataset = open_rows(queries if queries is not None else cfg.query.data, fields, "query.data")
+    return [fields.row(r) for r in dataset]
+
+
+def run_query(cfg: Any, queries: Any = None, train: Any = None) -> Dict[str, Any]:
+    """Answer `cfg.query.data` (or `queries`, from Python) against the index at `cfg.index.path`; write `cfg.query.output` if set.
 
     Returns {"results": per-query dicts (see `results_for`), "queries": the query rows,
-    "train_rows": the index's training rows when its data file is still there (else None),
-    "index": the reader, "device": where scoring ran}.
+    "train_rows": the index's training rows by position when its data is still there and unchanged
+    (`data_sources.IndexedRows`; else None, with a warning saying why), "index": the reader,
+    "device": where scoring ran}. `train`: the Python `datasets.Dataset` an index was built from,
+    for its row texts.
     """
-    require(cfg, "model.name_or_path", "query.data")
+    require(cfg, "model.name_or_path", *(() if queries is not None else ("query.data",)))
     if cfg.query.output:
         check_writable(cfg.query.output)
-    queries = read_jsonl(cfg.query.data)
+    queries = read_queries(cfg, queries)
     index, spec, given = open_for_query(cfg)
     with contextlib.ExitStack() as stack:
         # The cluster first: a scheduler that does not answer fails before the model loads.
@@ -236,11 +248,17 @@ def run_query(cfg: Any) -> Dict[str, Any]:
         if cfg.query.engine == "dask":
             check_workers_can_open(index)
             client = stack.enter_context(dask_client(cfg.query.dask_scheduler))
-        return _answer(cfg, queries, index, spec, given, client)
+        return _answer(cfg, queries, index, spec, given, client, train)
 
 
 def _answer(
-    cfg: Any, queries: List[Dict[str, Any]], index: Index, spec: IndexSpec, given: List[str], client: Optional[Any]
+    cfg: Any,
+    queries: List[Dict[str, Any]],
+    index: Index,
+    spec: IndexSpec,
+    given: List[str],
+    client: Optional[Any],
+    train: Any = None,
 ) -> Dict[str, Any]:
     q = QuerySpec.from_config(cfg.query)
     which = q.checkpoints
@@ -258,18 +276,18 @@ def _answer(
         top, bottom = streaming_topk(index, rows, q, device=made.device)
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
-    data = index.meta.get("data") or {}
-    # Snippets only from the very file that was indexed: an edited file no longer lines up.
-    same_file = data.get("path") and Path(data["path"]).is_file() and file_sha256(data["path"]) == data.get("sha256")
-    train_rows = read_jsonl(data["path"]) if same_file else None
+    # Row texts only from the very data that was indexed: edited data no longer lines up.
+    train_rows, why = indexed_rows(index.meta, Fields.from_config(cfg.data), train)
     if cfg.query.token_scores:
         if train_rows is None:
             raise ConfigError(
-                f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, unchanged at {data.get('path')!r}; restore that file or set query.token_scores=false"
+                f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data or set query.token_scores=false"
             )
         for q_index, entry in enumerate(results):
             for key in ("results", "opponents"):
                 add_token_terms(entry.get(key, []), queries[q_index], q_index, train_rows, made, q)
+    if train_rows is None:
+        warnings.warn(f"row texts are not shown: {why}; the ranking is of the indexed rows", stacklevel=3)
     if cfg.query.output:
         write_results(cfg.query.output, results)
     where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(made.device)

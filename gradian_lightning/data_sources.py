@@ -1,0 +1,343 @@
+"""What `data.train` and `query.data` name, read by the `datasets` library as a `datasets.Dataset`.
+
+A source is any of:
+  - a data file: JSONL or JSON (`.jsonl`, `.json`), parquet, arrow, CSV (`.csv`, `.tsv`), each
+    also gzip-, bz2-, xz- or zstd-compressed (`rows.jsonl.gz`);
+  - a folder written by `Dataset.save_to_disk` (a `DatasetDict`'s with `folder:split`), or a
+    folder of data files;
+  - a Hugging Face hub name with a split, `name:split` (`train` when no split is given);
+  - from Python, a `datasets.Dataset` itself.
+
+`datasets` reads files into memory-mapped arrow tables (its cache), so a source of any size costs
+the same memory: rows are taken one at a time as the data loader asks for them and tokenised then
+(`data.TokenizedRows`). Columns named otherwise are mapped by `data.Fields` (`data.prompt_field`
+...). The checks here read the schema and, batch by batch, the id column: one line of error before
+a model loads, whatever the source's size.
+
+A source's `fingerprint` is what an index records of it: the SHA-256 of a file's bytes, else the
+`datasets` fingerprint (a saved folder's, stored with it; a hub dataset's, from its revision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from gradian_lightning.data import Fields, read_jsonl
+from gradian_lightning.errors import DataError
+
+# The datasets builder that reads each data file suffix (after a compression suffix, if any).
+BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+    ".tsv": "csv",
+}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".zstd")
+ID_BATCH = 65536  # ids read per batch by the repeated-id check: its memory, whatever the rows
+
+
+def builder_of(path: Path) -> Optional[str]:
+    """The `datasets` builder for a data file's suffix (`rows.jsonl.gz`: json), or None."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    # datasets draws a progress bar per split it converts; the index run has its own.
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def _first_line(err: BaseException) -> str:
+    # datasets wraps the reader's error (pyarrow's, json's) as the cause of a generic one.
+    while err.__cause__ is not None and str(err).startswith("An error occurred while generating"):
+        err = err.__cause__
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _split_of(dataset: Any, source: str, split: Optional[str], key: str) -> Any:
+    """One split of a `DatasetDict`: `split`, else its only one, else "train"."""
+    from datasets import DatasetDict
+
+    if not isinstance(dataset, DatasetDict):
+        return dataset
+    names = list(dataset)
+    chosen = split or (names[0] if len(names) == 1 else "train" if "train" in names else None)
+    if chosen not in names:
+        raise DataError(f"setting '{key}'={source!r} holds the splits {names}; name one as {key}={source}:{names[0]}")
+    return dataset[chosen]
+
+
+def _split_path(source: str) -> Tuple[str, Optional[str]]:
+    """`folder:split` or `name:split` -> (folder or name, split); a path that exists is whole."""
+    if os.path.exists(os.path.expanduser(source)) or ":" not in source:
+        return source, None
+    head, _, split = source.rpartition(":")
+    return head, split or None
+
+
+def load_source(source: Any, key: str = "data.train") -> Any:
+    """The `datasets.Dataset` that `source` names (see the module docstring); `DataError` in one
+    line naming `key` when it cannot be read. A `datasets.Dataset` is returned as it is."""
+    import datasets
+
+    if isinstance(source, datasets.Dataset):
+        return source
+    if isinstance(source, (datasets.DatasetDict, datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise DataError(
+            f"{key} is a {type(source).__name__}; pass one split as a datasets.Dataset (an IterableDataset has no length, and rows land at their positions)"
+        )
+    text, split = _split_path(str(source))
+    path = Path(os.path.expanduser(text))
+    with _quiet_datasets():
+        if path.is_file():
+            builder = builder_of(path)
+            if builder is None:
+                raise DataError(
+                    f"setting '{key}'={str(source)!r}: the file type {''.join(path.suffixes) or '(none)'} is not one gradian reads; use JSONL, JSON, parquet, arrow or CSV (optionally .gz)"
+                )
+            return _load_file(path, builder, key)
+        if path.is_dir():
+            if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+                return _split_of(datasets.load_from_disk(str(path)), str(source), split, key)
+            return _load(lambda: datasets.load_dataset(str(path), split=split or "train"), source, key)
+        if builder_of(path) is not None or os.sep in text or text.startswith("."):
+            raise DataError(f"data file {text!r} does not exist; check {key}")
+        return _load(lambda: datasets.load_dataset(text, split=split or "train"), source, key)
+
+
+def _load(read: Any, source: Any, key: str) -> Any:
+    try:
+        return read()
+    except Exception as err:  # FileNotFoundError, DatasetNotFoundError, ConnectionError, ...
+        raise DataError(
+            f"setting '{key}'={str(source)!r} could not be read by datasets ({_first_line(err)}); give a data file, a save_to_disk folder or a hub name:split that is cached or reachable"
+        ) from None
+
+
+def _load_file(path: Path, builder: str, key: str) -> Any:
+    import datasets
+
+    try:
+        if builder == "arrow":  # memory-mapped where it lies, no copy into the cache
+            return datasets.Dataset.from_file(str(path))
+        options = {"delimiter": "\t"} if builder == "csv" and ".tsv" in [s.lower() for s in path.suffixes] else {}
+        return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+    except Exception as err:
+        if builder == "json" and not path.name.lower().endswith(COMPRESSIONS):
+            read_jsonl(path)  # a bad line: raises DataError with its number and what is wrong
+        raise DataError(
+            f"data file {str(path)!r} could not be read as {builder} ({_first_line(err)}); check {key} and the file's format"
+        ) from None
+
+
+def fingerprint_of(source: Any, dataset: Any) -> str:
+    """What an index records of a source: the SHA-256 of a file's bytes (it changes exactly when
+    they do), else the dataset's `datasets` fingerprint."""
+    from gradian_lightning.hub import file_sha256
+
+    if isinstance(source, (str, Path)):
+        path = Path(os.path.expanduser(_split_path(str(source))[0]))
+        if path.is_file():
+            return file_sha256(path)
+    return str(dataset._fingerprint)
+
+
+def describe_source(source: Any, dataset: Any) -> Dict[str, Any]:
+    """The index metadata of a source: "path" (resolved, or None for a Python Dataset), "fingerprint",
+    "num_rows", and for a file "sha256" (the same as its fingerprint)."""
+    from gradian_lightning.hub import normalized_name
+
+    path = None if not isinstance(source, (str, Path)) else normalized_name(str(source))
+    out = {"path": path, "fingerprint": fingerprint_of(source, dataset), "num_rows": len(dataset)}
+    if path is not None and Path(_split_path(path)[0]).is_file():
+        out["sha256"] = out["fingerprint"]
+    return out
+
+
+def _arrow_type_ok(feature: Any, wanted: str) -> bool:
+    from datasets import Json, LargeList, List, Value
+
+    if wanted == "string":
+        return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+    if wanted == "id":
+        return isinstance(feature, Json) or (
+            isinstance(feature, Value) and (feature.dtype in ("string", "large_string") or "int" in feature.dtype)
+        )
+    if wanted == "messages":  # a list of {"role", "content"} structs, or mixed (Json)
+        if isinstance(feature, Json):
+            return True
+        inner = getattr(feature, "feature", None) if isinstance(feature, (List, LargeList)) else None
+        return isinstance(inner, dict) and _arrow_type_ok(inner.get("content"), "string")
+    return False
+
+
+def check_columns(dataset: Any, fields: Fields, name: str) -> None:
+    """`DataError` unless the mapped columns of `dataset` make one of the row formats, each of the
+    type it must have. Reads only the schema; rows without a format fail when tokenised."""
+    columns = set(dataset.column_names)
+    formats = {
+        "prompt+completion": (fields.prompt, fields.completion),
+        "messages": (fields.messages,),
+        "text": (fields.text,),
+    }
+    if not any(all(c in columns for c in cols) for cols in formats.values()):
+        raise DataError(
+            f"{name} has columns {sorted(columns)}; expected prompt+completion, messages, or text: map yours with data.prompt_field, data.completion_field, data.messages_field or data.text_field"
+        )
+    setting = {
+        fields.prompt: ("prompt_field", "string"),
+        fields.completion: ("completion_field", "string"),
+        fields.text: ("text_field", "string"),
+        fields.messages: ("messages_field", "messages"),
+        fields.id: ("id_field", "id"),
+    }
+    for column, (what, wanted) in setting.items():
+        if column not in columns:
+            continue
+        feature = dataset.features[column]
+        if getattr(feature, "dtype", None) == "null":
+            continue  # every value null: no row takes this format, each is checked when tokenised
+        if not _arrow_type_ok(feature, wanted):
+            allowed = {
+                "string": "strings",
+                "id": "strings or integers",
+                "messages": 'lists of {"role": ..., "content": "text"}',
+            }[wanted]
+            raise DataError(f"{name}: column {column!r} (data.{what}) holds {feature}; it must hold {allowed}")
+
+
+def ids_of(dataset: Any, fields: Fields) -> Iterator[List[Any]]:
+    """The id column of `dataset`, `ID_BATCH` values at a time (no batches when it has none)."""
+    if fields.id not in dataset.column_names:
+        return
+    column = dataset.select_columns([fields.id])
+    for lo in range(0, len(dataset), ID_BATCH):
+        yield column[lo : lo + ID_BATCH][fields.id]
+
+
+def id_hashes(batches: Iterator[Sequence[Any]], total: int) -> np.ndarray:
+    """int64 [total]: a 64-bit hash of each id's string form (its stored form: 7 and "7" are one id),
+    -1 where there is no id. 8 bytes a row, where a set of the strings would be ~70."""
+    out = np.full(total, -1, dtype=np.int64)
+    at = 0
+    for batch in batches:
+        out[at : at + len(batch)] = [hash(str(v)) if v is not None else -1 for v in batch]
+        at += len(batch)
+    return out
+
+
+def first_repeat(hashes: np.ndarray, id_at: Any) -> Optional[Tuple[int, int]]:
+    """(earlier, later) positions of the first repeated id in `hashes` (`id_hashes`), ordered by
+    the later row, or None. `id_at(position)` gives an id's string, to rule out hash collisions."""
+    order = np.argsort(hashes, kind="stable")
+    ranked = hashes[order]
+    same = np.flatnonzero((ranked[1:] == ranked[:-1]) & (ranked[1:] != -1))
+    best: Optional[Tuple[int, int]] = None
+    for j in same:  # a run of one hash: compare each member with the earlier ones of its run
+        later = int(order[j + 1])
+        k = j
+        while k >= 0 and ranked[k] == ranked[j + 1]:
+            earlier = int(order[k])
+            if id_at(earlier) == id_at(later) and (best is None or later < best[1]):
+                best = (earlier, later)
+            k -= 1
+    return best
+
+
+def check_unique_ids(dataset: Any, fields: Fields, name: str) -> None:
+    """`DataError` naming the first repeated id of `dataset`: ids name rows in results."""
+    if fields.id not in dataset.column_names:
+        return
+    repeat = first_repeat(id_hashes(ids_of(dataset, fields), len(dataset)), lambda i: str(dataset[i][fields.id]))
+    if repeat is not None:
+        earlier, later = repeat
+        raise DataError(
+            f"{name} row {later + 1}: id {str(dataset[later][fields.id])!r} is also the id of row {earlier + 1}; ids name rows in results, so each must be unique"
+        )
+
+
+def open_rows(source: Any, fields: Fields, key: str = "data.train") -> Any:
+    """`load_source`, then the checks that need no model: the columns and the ids. Returns the Dataset."""
+    dataset = load_source(source, key)
+    name = str(source) if isinstance(source, (str, Path)) else key
+    if len(dataset) == 0:
+        raise DataError(f"{key} {name!r} has no rows; it needs at least one")
+    check_columns(dataset, fields, name)
+    check_unique_ids(dataset, fields, name)
+    return dataset
+
+
+def index_segments(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The sources of an index's rows, oldest first: {"data" (its `describe_source` record),
+    "offset" (its first row), "rows", "fingerprint" (of the run that wrote them)}; one for an
+    index that was never appended to (index.append)."""
+    first = {
+        "data": meta.get("data") or {},
+        "offset": 0,
+        "rows": meta["num_rows"],
+        "fingerprint": meta.get("fingerprint"),
+    }
+    return list(meta.get("segments") or [first])
+
+
+class IndexedRows:
+    """The data rows an index was built from, by index position, read back from their sources
+    (one `datasets.Dataset` per appended source, memory-mapped): `rows[i]` is row i under gradian's
+    names (`Fields.row`). Built by `indexed_rows`, which checks each source is unchanged."""
+
+    def __init__(self, parts: Sequence[Tuple[int, Any]], fields: Fields) -> None:
+        self.parts, self.fields = list(parts), fields  # (offset, Dataset), by offset
+        self.total = sum(len(d) for _, d in self.parts)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        offset, dataset = next(part for part in reversed(self.parts) if i >= part[0])  # the first starts at 0
+        return self.fields.row(dataset[int(i) - offset])
+
+
+def indexed_rows(meta: Dict[str, Any], fields: Fields, train: Any = None) -> Tuple[Optional[IndexedRows], str]:
+    """(`IndexedRows` of an index with metadata `meta`, "") when every source it was built from is
+    still there and unchanged, else (None, why not, in words). `train`: a Python `datasets.Dataset`
+    to use for a source recorded without a path, when its fingerprint matches."""
+    parts = []
+    for segment in index_segments(meta):
+        data = segment["data"]
+        recorded = data.get("fingerprint") or data.get("sha256")
+        path = data.get("path")
+        if path is None:
+            if train is None or recorded != fingerprint_of(train, load_source(train)):
+                return None, "its rows came from a Python Dataset; pass the same one to see their texts"
+            parts.append((int(segment["offset"]), load_source(train)))
+            continue
+        try:
+            dataset = load_source(path, "data.train")
+        except DataError:
+            return None, f"the training data {path!r} it was built from cannot be read any more"
+        if fingerprint_of(path, dataset) != recorded or len(dataset) != int(segment["rows"]):
+            return (
+                None,
+                f"the training data {path!r} changed after it was indexed (fingerprint {recorded} then, {fingerprint_of(path, dataset)} now)",
+            )
+        parts.append((int(segment["offset"]), dataset))
+    return IndexedRows(parts, fields), ""

@@ -1,0 +1,129 @@
+"""data.train as Hugging Face users hold it: each format `datasets` reads indexes the same rows as
+its JSONL twin, compared on the stored rows, ids, losses and token counts."""
+
+import gzip
+import json
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from conftest import ROWS, tiny_settings, write_jsonl
+
+from gradian_lightning import open_index
+from gradian_lightning.data import Fields
+from gradian_lightning.data_sources import first_repeat, id_hashes, open_rows
+from gradian_lightning.errors import DataError
+from gradian_lightning.recipes.index import run_index
+
+# CSV holds no nested column, so its twin has no messages row.
+FLAT = [r for r in ROWS if "messages" not in r]
+
+
+def settings(model, train, path, *extra):
+    return tiny_settings(model, train, path, "grads.batch_size=3", *extra)
+
+
+def stored(path):
+    index = open_index(path)
+    return (
+        index.rows(slice(None)),
+        list(index.column("id")),
+        index.column("loss"),
+        index.column("supervised_tokens"),
+    )
+
+
+def assert_same_rows(got, want):
+    assert torch.equal(got[0], want[0])
+    assert got[1] == want[1]
+    np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_array_equal(got[3], want[3])
+
+
+def as_dataset(rows):
+    # Dataset.from_list takes its columns from the first row: give every row every column.
+    columns = sorted({k for r in rows for k in r})
+    return datasets.Dataset.from_list([{k: r.get(k) for k in columns} for r in rows])
+
+
+def twin(tmp_path, name, rows, write):
+    path = tmp_path / name
+    write(path, as_dataset(rows))
+    return path
+
+
+WRITERS = {
+    "rows.jsonl.gz": lambda p, d: p.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in d).encode())),
+    "rows.json": lambda p, d: p.write_text(json.dumps([{k: v for k, v in r.items() if v is not None} for r in d])),
+    "rows.parquet": lambda p, d: d.to_parquet(str(p)),
+    "saved": lambda p, d: d.save_to_disk(str(p)),
+    "saved/data-00000-of-00001.arrow": lambda p, d: d.save_to_disk(str(p.parent)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_each_format_indexes_the_rows_of_its_jsonl_twin(tmp_path, saved_model, name):
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    run_index(settings(saved_model, jsonl, tmp_path / "want"))
+    other = twin(tmp_path, name, ROWS, WRITERS[name])
+    run_index(settings(saved_model, other, tmp_path / "got"))
+    assert_same_rows(stored(tmp_path / "got"), stored(tmp_path / "want"))
+    assert stored(tmp_path / "want")[1][4] == "4"  # the row without an id: its position
+
+
+def test_csv_and_a_python_dataset_and_mapped_columns(tmp_path, saved_model):
+    jsonl = write_jsonl(tmp_path / "flat.jsonl", FLAT)
+    run_index(settings(saved_model, jsonl, tmp_path / "want"))
+    want = stored(tmp_path / "want")
+    csv = twin(tmp_path, "flat.csv", FLAT, lambda p, d: d.to_csv(str(p), index=False))
+    run_index(settings(saved_model, csv, tmp_path / "csv"))
+    assert_same_rows(stored(tmp_path / "csv"), want)
+    # From Python: the Dataset itself, wherever a data path goes.
+    run_index(settings(saved_model, jsonl, tmp_path / "python"), train=as_dataset(FLAT))
+    assert_same_rows(stored(tmp_path / "python"), want)
+    # A dataset whose columns are named otherwise, mapped by the data.*_field settings.
+    renamed = [
+        {{"prompt": "question", "completion": "answer", "id": "key"}.get(k, k): v for k, v in r.items()} for r in FLAT
+    ]
+    other = write_jsonl(tmp_path / "renamed.jsonl", renamed)
+    extra = ("data.prompt_field=question", "data.completion_field=answer", "data.id_field=key")
+    run_index(settings(saved_model, other, tmp_path / "mapped", *extra))
+    assert_same_rows(stored(tmp_path / "mapped"), want)
+
+
+def test_bad_sources_are_one_line(tmp_path):
+    fields = Fields()
+    with pytest.raises(DataError, match="does not exist"):
+        open_rows(tmp_path / "nope.parquet", fields)
+    with pytest.raises(DataError, match=r"file type \.txt is not one gradian reads"):
+        open_rows(write_jsonl(tmp_path / "rows.txt", ROWS), fields)
+    odd = tmp_path / "odd.parquet"
+    datasets.Dataset.from_list([{"question": "q", "answer": "a"}]).to_parquet(str(odd))
+    with pytest.raises(DataError, match=r"columns \['answer', 'question'\]; expected .* data.prompt_field"):
+        open_rows(odd, fields)
+    numbers = tmp_path / "numbers.parquet"
+    datasets.Dataset.from_list([{"text": 5}]).to_parquet(str(numbers))
+    with pytest.raises(DataError, match=r"column 'text' \(data.text_field\) holds .*int64.*; it must hold strings"):
+        open_rows(numbers, fields)
+    twice = tmp_path / "twice.parquet"
+    datasets.Dataset.from_list(
+        [{"id": "a", "text": "x"}, {"id": "b", "text": "y"}, {"id": "a", "text": "z"}]
+    ).to_parquet(str(twice))
+    with pytest.raises(DataError, match=r"row 3: id 'a' is also the id of row 1"):
+        open_rows(twice, fields)
+    saved = tmp_path / "dict"
+    datasets.DatasetDict(
+        {"a": datasets.Dataset.from_list(ROWS[:2]), "b": datasets.Dataset.from_list(ROWS[2:3])}
+    ).save_to_disk(str(saved))
+    with pytest.raises(DataError, match=r"holds the splits \['a', 'b'\]; name one as data.train=.*dict:a"):
+        open_rows(saved, fields)
+    assert len(open_rows(f"{saved}:b", fields)) == 1
+
+
+def test_repeated_ids_are_found_by_their_hashes_not_guessed():
+    ids = ["x", "y", 7, "7", None, None, "z", "y"]
+    # 7 and "7" are one id (stored as "7"); rows without an id never repeat one.
+    assert first_repeat(id_hashes(iter([ids]), len(ids)), lambda i: str(ids[i])) == (2, 3)
+    colliding = np.array([5, 5, 5], dtype=np.int64)  # one hash, three different ids: no repeat
+    assert first_repeat(colliding, lambda i: "abc"[i]) is None
