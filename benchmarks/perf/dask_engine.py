@@ -11,8 +11,8 @@ steady-state calls are interleaved `--repeats` times and the medians compared. B
 checked equal. Dask is for indexes larger than one machine; on one small machine it only adds
 scheduling, serialisation and inter-process transfer, and this measures how much.
 
-    PYTHONPATH=. python -m benchmarks.dask_engine
-    PYTHONPATH=. python -m benchmarks.dask_engine --smoke --out /tmp/x
+    PYTHONPATH=. python -m benchmarks.perf.dask_engine
+    PYTHONPATH=. python -m benchmarks.perf.dask_engine --smoke --out /tmp/x
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import bytes_on_disk, command_line, fmt_bytes, table, write_result
+from benchmarks.common import bytes_on_disk, fmt_bytes, write_result
 
 
 def main() -> None:
@@ -105,15 +105,13 @@ def main() -> None:
     medians = {name: statistics.median(s) for name, s in seconds.items()}
     base = medians["local (streaming_topk)"]
     rows = [[name, f"{m:.3f}", f"{raw_bytes / m / 1e9:.2f}", f"{m / base:.2f}"] for name, m in medians.items()]
-    body = (
+    text = (
         f"{args.rows} × {args.width} float16 rows = {fmt_bytes(raw_bytes)} raw, {fmt_bytes(on_disk)} on disk as zarr grads (chunks of {chunk_rows} rows); "
         f"{args.queries} queries, cosine per module (16 modules), top 10 + bottom 10; warm page cache; local: {args.threads} torch thread(s); "
         f"dask: LocalCluster of {args.threads} worker process(es) × 1 thread; medians of {args.repeats} interleaved runs. "
-        f"Rankings equal: {'yes' if same else 'NO'}.\n\n"
-        + table(["engine", "seconds", "GB/s", "× local"], rows)
-        + f"\n\nNot in the table: starting the LocalCluster took {cluster_start:.2f} s, and the workers' first call (importing torch and gradian, opening the store) {first_call:.2f} s."
+        f"Rankings equal: {'yes' if same else 'NO'}. Not in the table: starting the LocalCluster took {cluster_start:.2f} s, and the workers' first call (importing torch and gradian, opening the store) {first_call:.2f} s."
     )
-    write_result("dask_engine", command_line(), body, args.out)
+    write_result("dask_engine", text, [{"header": ["engine", "seconds", "GB/s", "× local"], "rows": rows}], args.out)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ compressor, the per-row arrays with zarr's default), and measured on disk:
   - index bytes/row   = on-disk bytes of the whole index (ids, losses, flags, metadata) / rows,
   - compression ratio = raw / grads on disk.
 
-    PYTHONPATH=. python -m benchmarks.index_size
-    PYTHONPATH=. python -m benchmarks.index_size --smoke --out /tmp/x
+    PYTHONPATH=. python -m benchmarks.perf.index_size
+    PYTHONPATH=. python -m benchmarks.perf.index_size --smoke --out /tmp/x
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import SMOLLM2, bytes_on_disk, command_line, table, write_result
-from benchmarks.fidelity import DIMS, DTYPES, QUICKSTART, example_factors, projected_rows
+from benchmarks.common import SMOLLM2, bytes_on_disk, write_result
+from benchmarks.studies.fidelity import DIMS, DTYPES, QUICKSTART, projected_rows
 
 FILTERS = {
     "down_proj": ["down_proj"],
@@ -59,14 +59,11 @@ def main() -> None:
 
         model, dims, n, label = smollm2(), DIMS, args.rows, "SmolLM2-135M-Instruct"
     train = read_jsonl(QUICKSTART / "train.jsonl")[:n]
-    _, factors = example_factors(model, tokenizer, train, FILTERS["all Linear"])
     rows, codec = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for filter_name, patterns in FILTERS.items():
             modules = select_modules(model, patterns)
-            subset = [{k: f[k] for k in modules} for f in factors]
-            for dim in dims:
-                projected = projected_rows(modules, subset, dim)
+            for dim, (projected, _) in projected_rows(model, tokenizer, train, modules, dims).items():
                 for dtype in DTYPES:
                     path = Path(tmp) / f"{filter_name}-{dim}-{dtype}".replace(" ", "_")
                     writer = IndexWriter(path, n, projected.shape[1], dtype, {"fingerprint": "bench"})
@@ -97,21 +94,19 @@ def main() -> None:
                             f"{raw / grads:.3f}",
                         ]
                     )
-    body = f"{label}, {n} quickstart train rows (real gradients), zarr default codec for grads: {codec}.\n\n" + table(
-        [
-            "module_filter",
-            "modules",
-            "projection_dim",
-            "storage_dtype",
-            "row width",
-            "raw bytes/row",
-            "grads bytes/row on disk",
-            "index bytes/row on disk",
-            "compression ratio",
-        ],
-        rows,
-    )
-    write_result("index_size", command_line(), body, args.out)
+    text = f"{label}, {n} quickstart train rows (real gradients), zarr default codec for grads: {codec}."
+    header = [
+        "module_filter",
+        "modules",
+        "projection_dim",
+        "storage_dtype",
+        "row width",
+        "raw bytes/row",
+        "grads bytes/row on disk",
+        "index bytes/row on disk",
+        "compression ratio",
+    ]
+    write_result("index_size", text, [{"header": header, "rows": rows}], args.out)
 
 
 if __name__ == "__main__":

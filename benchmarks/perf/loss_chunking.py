@@ -26,14 +26,12 @@ import time
 from typing import Any, Dict, List
 
 from benchmarks.common import (
-    command_line,
     emit,
     fmt_bytes,
     largest_fp32_vocab_tensor,
     peak_rss_rise,
     run_child,
     synthetic_examples,
-    table,
     tiny_llama,
     write_result,
 )
@@ -106,7 +104,7 @@ def main() -> None:
     common = ["--seq", str(seq), "--fraction", str(args.fraction), "--vocab", str(vocab), "--hidden", str(args.hidden)]
 
     def point(variant: str, b: int) -> Dict[str, Any]:
-        result = run_child("benchmarks.loss_chunking", ["--variant", variant, "--batch", str(b), *common])
+        result = run_child("benchmarks.perf.loss_chunking", ["--variant", variant, "--batch", str(b), *common])
         print(
             f"{variant} B={b}: peak +{fmt_bytes(result['peak'])}, {result['seconds']:.3f} s, largest fp32 vocab tensor {fmt_bytes(result['vocab_tensor'])}",
             flush=True,
@@ -114,7 +112,6 @@ def main() -> None:
         return result
 
     rows: List[List[Any]] = []
-    points: List[Dict[str, Any]] = []
     for b in batches:
         trunk = point("trunk", b)
         gathered = point("gathered", b)
@@ -138,7 +135,6 @@ def main() -> None:
                     f"{loss_s / gathered_loss_s:.2f}" if gathered_loss_s > 0 and loss_s > 0 else "n/a (below noise)",
                 ]
             )
-            points.append({"chunk": chunk, "supervised": n, "part": part, "formula": formula})
     header = [
         "batch",
         "supervised tokens",
@@ -151,40 +147,12 @@ def main() -> None:
         "step time / unchunked",
         "loss-part time / unchunked",
     ]
-    body = (
+    text = (
         f"Tiny random-init Llama (hidden {args.hidden}, 2 layers, fp32), vocab {vocab:,}; batches of {seq} tokens, {args.fraction:.0%} supervised; "
         "peaks are RSS above the process's RSS before the step, fresh process per point; loss part = peak − trunk peak; "
-        "step = forward + per-example loss + backward to the final norm, median of 3 after a warm-up, 1 torch thread.\n\n"
-        + table(header, rows)
+        "step = forward + per-example loss + backward to the final norm, median of 3 after a warm-up, 1 torch thread."
     )
-    write_result("loss_chunking", command_line(), body, args.out)
-    plot(points, vocab, args.out)
-
-
-def plot(points: List[Dict[str, Any]], vocab: int, out: str | None) -> None:
-    """Loss part of the peak against supervised tokens, measured (markers) beside plan's formula (lines)."""
-    from benchmarks.common import pyplot, save_figure
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for i, chunk in enumerate(sorted({p["chunk"] for p in points}, key=lambda c: -1 if c is None else c)):
-        mine = sorted((p for p in points if p["chunk"] == chunk), key=lambda p: p["supervised"])
-        xs = [p["supervised"] for p in mine]
-        label = "loss_chunk_tokens off" if chunk is None else f"loss_chunk_tokens={chunk}"
-        line = ax.plot(xs, [p["formula"] / 2**20 for p in mine], linestyle="--", linewidth=1, color=f"C{i}")[0]
-        ax.plot(
-            xs,
-            [p["part"] / 2**20 for p in mine],
-            marker="o",
-            linestyle="none",
-            color=line.get_color(),
-            label=f"{label}: measured (o), formula (--)",
-        )
-    ax.set_xlabel("supervised tokens in the batch")
-    ax.set_ylabel("loss part of peak RSS, MiB")
-    ax.set_title(f"Loss peak against supervised tokens, vocab {vocab:,}")
-    ax.legend(fontsize=7)
-    save_figure("loss_chunking", fig, out)
+    write_result("loss_chunking", text, [{"header": header, "rows": rows}], args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 from typing import Any, Dict, List
 
 from benchmarks.common import (
-    command_line,
     emit,
     fmt_bytes,
     largest_fp32_vocab_tensor,
@@ -31,7 +30,6 @@ from benchmarks.common import (
     peak_rss_rise,
     run_child,
     synthetic_examples,
-    table,
     write_result,
 )
 
@@ -106,7 +104,7 @@ def main() -> None:
 
     def point(variant: str, b: int, s: int, f: float) -> Dict[str, Any]:
         result = run_child(
-            "benchmarks.loss_memory",
+            "benchmarks.perf.loss_memory",
             [
                 "--variant",
                 variant,
@@ -172,13 +170,12 @@ def main() -> None:
         "gathered fp32 vocab tensor: measured / B×sup×V×4",
         "naive fp32 logits: measured / B×T×V×4",
     ]
-    body = (
+    text = (
         f"Model: {'tiny Llama' if args.smoke else f'SmolLM2-135M-Instruct truncated to {args.layers} decoder layer(s)'} (fp32), vocab {vocab}; "
         "peaks are RSS above the process's RSS before the step, fresh process per point; loss part = peak − trunk peak.\n"
-        f"At 25% supervised the gathered loss part is {', '.join(headline)} of naive (batch × seq in table order).\n\n"
-        + table(header, rows)
+        f"At 25% supervised the gathered loss part is {', '.join(headline)} of naive (batch × seq in table order)."
     )
-    write_result("loss_memory", command_line(), body, args.out)
+    write_result("loss_memory", text, [{"header": header, "rows": rows}], args.out)
 
 
 if __name__ == "__main__":

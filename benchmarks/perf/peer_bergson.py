@@ -12,8 +12,8 @@ every layer, projection_dim 16, fp32 model and fp32 stored gradients (bergson st
 the model's dtype), loss summed over completion tokens, documents batched 32 at a time. Each run is
 a fresh process tree, the tools alternate, and the ratios are gradian / bergson.
 
-    PYTHONPATH=. python -m benchmarks.peer_bergson
-    PYTHONPATH=. python -m benchmarks.peer_bergson --smoke --out /tmp/x      # gradian side only
+    PYTHONPATH=. python -m benchmarks.perf.peer_bergson
+    PYTHONPATH=. python -m benchmarks.perf.peer_bergson --smoke --out /tmp/x      # gradian side only
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ from benchmarks.common import (
     ROOT,
     SMOLLM2,
     bytes_on_disk,
-    command_line,
     fmt_bytes,
     measure_command,
-    table,
     tiny_llama,
     write_result,
 )
@@ -178,27 +176,29 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
     med = {t: {k: statistics.median(x[k] for x in runs[t]) for k in ("wall_s", "peak_rss", "bytes")} for t in tools}
     rows = [[t, f"{med[t]['wall_s']:.1f}", fmt_bytes(med[t]["peak_rss"]), fmt_bytes(med[t]["bytes"])] for t in tools]
-    body = (
+    text = (
         f"Tiny random-init Llama (hidden {args.hidden}, {2 if args.smoke else args.layers} layers, SmolLM2 tokenizer, vocab 49152), "
         f"{DATA.relative_to(ROOT)} (120 prompt/completion rows), down_proj, projection_dim 16, fp32 rows, batches of {BATCH}; "
         f"OMP_NUM_THREADS={args.threads}; medians of {len(runs[tools[0]])} alternating runs, whole process.\n"
-        + (f"bergson {version} in its own virtualenv ({args.venv}).\n\n" if version else "\n")
-        + table(["tool", "wall s", "peak RSS", "bytes on disk"], rows)
+        + (f"bergson {version} in its own virtualenv ({args.venv})." if version else "")
     )
+    tables = [{"header": ["tool", "wall s", "peak RSS", "bytes on disk"], "rows": rows}]
     if "bergson" in med:
         g, b = med["gradian"], med["bergson"]
-        body += "\n\n" + table(
-            ["gradian / bergson", "wall time", "peak RSS", "bytes on disk"],
-            [
-                [
-                    "ratio",
-                    f"{g['wall_s'] / b['wall_s']:.2f}",
-                    f"{g['peak_rss'] / b['peak_rss']:.2f}",
-                    f"{g['bytes'] / b['bytes']:.2f}",
-                ]
-            ],
+        tables.append(
+            {
+                "header": ["gradian / bergson", "wall time", "peak RSS", "bytes on disk"],
+                "rows": [
+                    [
+                        "ratio",
+                        f"{g['wall_s'] / b['wall_s']:.2f}",
+                        f"{g['peak_rss'] / b['peak_rss']:.2f}",
+                        f"{g['bytes'] / b['bytes']:.2f}",
+                    ]
+                ],
+            }
         )
-    write_result("peer_bergson", command_line(), body, args.out)
+    write_result("peer_bergson", text, tables, args.out)
 
 
 if __name__ == "__main__":

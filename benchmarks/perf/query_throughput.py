@@ -20,8 +20,8 @@ The target: streaming top-k at >= 70% of the throughput of the slower floor, at 
 NumPy read of the same bytes into one reused buffer (a memory copy). GB/s counts the raw float16
 bytes of the rows (N × width × 2), 10⁹ bytes per GB.
 
-    PYTHONPATH=. python -m benchmarks.query_throughput
-    PYTHONPATH=. python -m benchmarks.query_throughput --smoke --out /tmp/x
+    PYTHONPATH=. python -m benchmarks.perf.query_throughput
+    PYTHONPATH=. python -m benchmarks.perf.query_throughput --smoke --out /tmp/x
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import bytes_on_disk, command_line, fmt_bytes, table, write_result
+from benchmarks.common import bytes_on_disk, fmt_bytes, write_result
 
 
 def main() -> None:
@@ -141,7 +141,6 @@ def main() -> None:
     med = {name: statistics.median(s) for name, s in seconds.items()}
     gbps = {name: raw_bytes / t / 1e9 for name, t in med.items()}
     rows_out = []
-    points = []
     for q in counts:
         slower = min(gbps["read + decode"], gbps[f"gemm Q={q}"])
         rows_out.append(
@@ -156,57 +155,23 @@ def main() -> None:
                 f"{gbps[f'default Q={q}'] / slower:.2f}",
             ]
         )
-        points.append(
-            {"q": q, "read": gbps["read + decode"], "gemm": gbps[f"gemm Q={q}"], "topk": gbps[f"top-k Q={q}"]}
-        )
-    body = (
+    text = (
         f"{args.rows} × {args.width} float16 rows in {modules} equal modules = {fmt_bytes(raw_bytes)} raw, {fmt_bytes(on_disk)} on disk as zarr grads "
         f"(chunks of {chunk_rows} rows); {args.threads} torch thread(s); cosine per module, top 10; "
         f"warm page cache; medians of {args.repeats} interleaved runs. Context: a NumPy read of the same bytes into one reused buffer runs at "
-        f"{gbps['numpy read']:.2f} GB/s (a memory copy); `IndexReader.chunks()`, decoding into fresh tensors, at {gbps['chunks()']:.2f} GB/s.\n\n"
-        + table(
-            [
-                "Q",
-                "floor (i) read + decode GB/s",
-                "floor (ii) fp32 GEMM GB/s",
-                "streaming top-k GB/s",
-                "top-k / slower floor",
-                "≥ 0.70 of the slower floor",
-                "default scoring (auto = fisher, damping 1.0) GB/s",
-                "default / slower floor",
-            ],
-            rows_out,
-        )
+        f"{gbps['numpy read']:.2f} GB/s (a memory copy); `IndexReader.chunks()`, decoding into fresh tensors, at {gbps['chunks()']:.2f} GB/s."
     )
-    write_result("query_throughput", command_line(), body, args.out)
-    plot(points, args.out)
-
-
-def plot(points, out) -> None:
-    """Throughput per query count: the two floors and the streaming top-k."""
-    from benchmarks.common import pyplot, save_figure
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    width = 0.25
-    for i, (key, label) in enumerate(
-        (("read", "floor (i): read + decode"), ("gemm", "floor (ii): one fp32 GEMM"), ("topk", "streaming top-k"))
-    ):
-        ax.bar([j + (i - 1) * width for j in range(len(points))], [p[key] for p in points], width, label=label)
-    for j, p in enumerate(points):
-        ax.plot(
-            [j - 1.5 * width, j + 1.5 * width],
-            [0.7 * min(p["read"], p["gemm"])] * 2,
-            color="black",
-            linestyle="--",
-            linewidth=0.9,
-            label="target: 0.7 × slower floor" if j == 0 else None,
-        )
-    ax.set_xticks(range(len(points)), [f"Q = {p['q']}" for p in points])
-    ax.set_ylabel("GB/s of stored float16 rows")
-    ax.set_title("Query throughput against its two floors")
-    ax.legend(fontsize=7)
-    save_figure("query_throughput", fig, out)
+    header = [
+        "Q",
+        "floor (i) read + decode GB/s",
+        "floor (ii) fp32 GEMM GB/s",
+        "streaming top-k GB/s",
+        "top-k / slower floor",
+        "≥ 0.70 of the slower floor",
+        "default scoring (auto = fisher, damping 1.0) GB/s",
+        "default / slower floor",
+    ]
+    write_result("query_throughput", text, [{"header": header, "rows": rows_out}], args.out)
 
 
 if __name__ == "__main__":
