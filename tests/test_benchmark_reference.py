@@ -1,5 +1,9 @@
 """benchmarks/studies/reference.py, what every quality study is measured against, checked against
-plain per-example autograd and the product's own LDS."""
+plain per-example autograd and the product's own LDS; and the generated tables are current."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +14,8 @@ from benchmarks.studies import reference
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
 from gradian_lightning.validation.lds import linear_datamodeling_score
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +72,11 @@ def test_lds_and_mrr_match_the_product_and_a_plain_count():
         1 + min(sorted(range(10), key=lambda j: -scores[q, j]).index(s) for s in src) for q, src in enumerate(sources)
     ]
     assert reference.mrr(scores, sources) == pytest.approx(np.mean([1 / r for r in ranks]))
+
+
+def test_generated_tables_are_current():
+    """RESULTS.md and RANKING.md hold what `python -m benchmarks.tables` renders from the result files."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tables", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
