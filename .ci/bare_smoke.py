@@ -58,7 +58,7 @@ assert "queries ranked against 24 rows" in run(
 )
 assert len((HERE / "results.jsonl").read_text().splitlines()) == 4
 one_line_naming(run(GRADIAN, "query", "query.data=queries.jsonl", "query.engine=dask", *common, expect=2), "cluster")
-one_line_naming(run(sys.executable, "-m", "benchmarks.ranking_grid", "--plot", expect=1, cwd=CLONE), "bench")
+one_line_naming(run(sys.executable, "-m", "benchmarks.perf.capture_overhead", "--smoke", expect=1, cwd=CLONE), "bench")
 one_line_naming(run(sys.executable, "examples/finetune_and_attribute.py", "--smoke", expect=1, cwd=CLONE), "test")
 print(
     "bare install: doctor, doctor --json, plan, index and query ran; dask, plots and the PEFT example refused naming their extras"

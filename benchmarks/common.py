@@ -1,8 +1,8 @@
 """Shared pieces of the benchmark scripts: machine description, fresh-subprocess runs, peak RSS,
 models and synthetic batches, and Markdown tables. Plain Python; no timing assertions anywhere.
 
-Every script prints its tables and writes them to `benchmarks/results/<name>.md` (or `--out DIR`),
-ready to paste into benchmarks/RESULTS.md together with the command and the machine line.
+Every script prints its tables and writes them, with the command and the machine, to
+`benchmarks/results/<name>.json` (or `--out DIR`); `python -m benchmarks.tables` renders them into RESULTS.md.
 """
 
 from __future__ import annotations
@@ -156,21 +156,34 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_result(name: str, command: str, body: str, out: Optional[str] = None) -> Path:
-    """Print `body` and write it, headed by the command and machine, to `<out>/<name>.md`."""
+def write_result(
+    name: str, text: str, tables: Sequence[Dict[str, Any]], out: Optional[str] = None, **measured: Any
+) -> Path:
+    """Write `<out>/<name>.json` (default benchmarks/results): the command that ran, the machine, a
+    caption, the tables (each {"title", "header", "rows"}) and any raw figures in `measured`; print
+    its Markdown. `python -m benchmarks.tables` renders RESULTS.md's blocks from these files."""
     directory = Path(out) if out else RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    text = f"Command: `{command}`\n\nMachine: {machine_line()}\n\n{body.strip()}\n"
-    path = directory / f"{name}.md"
-    path.write_text(text)
-    print(text)
+    result = {"command": command_line(), "machine": machine_line(), "text": text, "tables": list(tables), **measured}
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(render_result(result))
     print(f"(written to {path})")
     return path
 
 
+def render_result(result: Dict[str, Any]) -> str:
+    """The Markdown of one result file: command, machine, caption, then each table under its title."""
+    parts = [f"Command: `{result['command']}`", f"Machine: {result['machine']}", result["text"].strip()]
+    for t in result["tables"]:
+        parts += ([t["title"]] if t.get("title") else []) + [table(t["header"], t["rows"])]
+    return "\n\n".join(p for p in parts if p)
+
+
 def command_line() -> str:
+    """The command this process was started with, as a reader re-runs it from the repository root."""
     return "PYTHONPATH=. python -m " + " ".join(
-        [Path(sys.argv[0]).with_suffix("").relative_to(ROOT).as_posix().replace("/", "."), *sys.argv[1:]]
+        [Path(sys.argv[0]).with_suffix("").resolve().relative_to(ROOT).as_posix().replace("/", "."), *sys.argv[1:]]
     )
 
 
@@ -269,22 +282,6 @@ def bytes_on_disk(path: Path) -> int:
     """Sum of the sizes of the files under `path`, bytes."""
     path = Path(path)
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def save_figure(name: str, fig: Any, out: Optional[str] = None) -> Path:
-    """Write a matplotlib figure as `<out>/<name>.png` (default benchmarks/results), for RESULTS.md to embed.
-
-    matplotlib comes with the `bench` extra (`pip install -e ".[bench]"`); it is not a runtime dependency.
-    """
-    plt = pyplot()
-    directory = Path(out) if out else RESULTS_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"(figure written to {path})")
-    return path
 
 
 def pyplot():

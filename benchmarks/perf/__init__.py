@@ -1,0 +1,1 @@
+"""Performance benchmarks: what indexing and querying cost (RESULTS.md)."""

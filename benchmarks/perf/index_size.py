@@ -1,0 +1,113 @@
+"""Index size: bytes per row for each module_filter × projection_dim × storage_dtype.
+
+Real rows: SmolLM2-135M-Instruct loss gradients of the first `--rows` quickstart train rows,
+captured once for every Linear (inputs and output-gradients per token) and projected for each
+setting from those factors. Each setting is written with `IndexWriter` (index/layout.py: the grads array is stored without a
+compressor, the per-row arrays with zarr's default), and measured on disk:
+  - raw bytes/row     = width × itemsize (what the row is before compression),
+  - grads bytes/row   = on-disk bytes of the grads array / rows,
+  - index bytes/row   = on-disk bytes of the whole index (ids, losses, flags, metadata) / rows,
+  - compression ratio = raw / grads on disk.
+
+    PYTHONPATH=. python -m benchmarks.perf.index_size
+    PYTHONPATH=. python -m benchmarks.perf.index_size --smoke --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import SMOLLM2, bytes_on_disk, write_result
+from benchmarks.studies.fidelity import DIMS, DTYPES, QUICKSTART, projected_rows
+
+FILTERS = {
+    "down_proj": ["down_proj"],
+    "all MLP": ["gate_proj", "up_proj", "down_proj"],
+    "all Linear": ["*.layers.*"],
+}  # every decoder Linear; lm_head (tied to the embedding) left out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--smoke", action="store_true", help="tiny Llama, 4 rows: seconds")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer
+
+    from gradian_lightning.data import read_jsonl
+    from gradian_lightning.gradients.capture import select_modules
+    from gradian_lightning.index.writer import IndexWriter
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2))
+    if args.smoke:
+        from benchmarks.common import tiny_llama
+
+        model, dims, n, label = (
+            tiny_llama(vocab_size=len(tokenizer), hidden=64, layers=2),
+            (4, 16),
+            4,
+            "tiny random-init Llama (hidden 64, 2 layers)",
+        )
+    else:
+        from benchmarks.common import smollm2
+
+        model, dims, n, label = smollm2(), DIMS, args.rows, "SmolLM2-135M-Instruct"
+    train = read_jsonl(QUICKSTART / "train.jsonl")[:n]
+    rows, codec = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for filter_name, patterns in FILTERS.items():
+            modules = select_modules(model, patterns)
+            for dim, (projected, _) in projected_rows(model, tokenizer, train, modules, dims).items():
+                for dtype in DTYPES:
+                    path = Path(tmp) / f"{filter_name}-{dim}-{dtype}".replace(" ", "_")
+                    writer = IndexWriter(path, n, projected.shape[1], dtype, {"fingerprint": "bench"})
+                    k = projected.shape[0]
+                    writer.write(
+                        range(k), projected, torch.zeros(k), torch.ones(k), torch.zeros(k), [f"r{i}" for i in range(k)]
+                    )
+                    assert writer.close()
+                    codec = codec or writer.group["grads"].compressors
+                    raw = (
+                        projected.shape[1]
+                        * np.dtype(
+                            {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]
+                        ).itemsize
+                    )
+                    grads = bytes_on_disk(path / "grads") / n
+                    total = bytes_on_disk(path) / n
+                    rows.append(
+                        [
+                            filter_name,
+                            len(modules),
+                            dim,
+                            dtype,
+                            projected.shape[1],
+                            raw,
+                            f"{grads:.0f}",
+                            f"{total:.0f}",
+                            f"{raw / grads:.3f}",
+                        ]
+                    )
+    text = f"{label}, {n} quickstart train rows (real gradients), zarr default codec for grads: {codec}."
+    header = [
+        "module_filter",
+        "modules",
+        "projection_dim",
+        "storage_dtype",
+        "row width",
+        "raw bytes/row",
+        "grads bytes/row on disk",
+        "index bytes/row on disk",
+        "compression ratio",
+    ]
+    write_result("index_size", text, [{"header": header, "rows": rows}], args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Quality studies: how well the default scores find what a row was trained on (RANKING.md)."""

@@ -1,0 +1,83 @@
+"""Render the generated blocks of benchmarks/RESULTS.md and RANKING.md from the result files.
+
+    PYTHONPATH=. python -m benchmarks.tables           # rewrite every block in place
+    PYTHONPATH=. python -m benchmarks.tables --check   # exit 1 naming the stale files (tests/test_benchmark_tables.py)
+
+A block is the text between `<!-- generated: SOURCE -->` and `<!-- end generated -->`. SOURCE is a
+result file under benchmarks/ (`results/<name>.json`, written by a perf script with its command and
+machine) or the name of a study's report in REPORTS. Nothing else in the Markdown is touched: the
+prose around the blocks says what the figures mean, the blocks say what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Dict
+
+from benchmarks.common import render_result
+
+HERE = Path(__file__).resolve().parent
+DOCUMENTS = (HERE / "RESULTS.md", HERE / "RANKING.md")
+BLOCK = re.compile(r"(<!-- generated: (?P<source>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
+
+
+def _lds_seeds() -> str:
+    from benchmarks.studies import lds
+
+    return lds.report(lds.saved_results())
+
+
+def _peer_kronfluence(kind: str) -> Callable[[], str]:
+    def render() -> str:
+        from benchmarks.perf.peer_kronfluence import report
+
+        return report(json.loads((HERE / "lds_results" / f"peer_kronfluence.{kind}.json").read_text()))
+
+    return render
+
+
+REPORTS: Dict[str, Callable[[], str]] = {
+    "lds seeds": _lds_seeds,
+    "peer_kronfluence fact": _peer_kronfluence("fact"),
+    "peer_kronfluence newword": _peer_kronfluence("newword"),
+}
+
+
+def render(source: str) -> str:
+    """The Markdown of one block."""
+    if source in REPORTS:
+        return REPORTS[source]()
+    path = HERE / source
+    if not path.is_file():
+        raise SystemExit(f"benchmarks/tables.py: error: no result file benchmarks/{source} (run its command first)")
+    return render_result(json.loads(path.read_text()))
+
+
+def regenerate(text: str) -> str:
+    """`text` with every generated block rendered afresh."""
+    return BLOCK.sub(lambda m: m.group(1) + "\n" + render(m.group("source")).strip() + "\n\n" + m.group(4), text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a document is stale")
+    args = parser.parse_args()
+    stale = []
+    for document in DOCUMENTS:
+        text = document.read_text()
+        fresh = regenerate(text)
+        if fresh != text:
+            stale.append(document.name)
+            if not args.check:
+                document.write_text(fresh)
+    if args.check and stale:
+        sys.exit(f"stale: {', '.join(stale)}; run PYTHONPATH=. python -m benchmarks.tables")
+    print(("stale: " if args.check else "rewrote: ") + (", ".join(stale) or "nothing") if stale else "up to date")
+
+
+if __name__ == "__main__":
+    main()
