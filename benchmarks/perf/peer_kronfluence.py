@@ -35,13 +35,12 @@ import numpy as np
 import torch
 
 from benchmarks.studies.lds import MLP, settings, study_set, subsets
-from benchmarks.studies.reference import RESULTS, exact_scores, lds, lds_set, mean_and_se, mrr
+from benchmarks.studies.reference import RESULTS, exact_scores, lds, lds_set, mean_and_se, mrr, product_scores
 from gradian_lightning.config import load_config
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.hub import load_model_and_tokenizer, pad_token_id
 from gradian_lightning.recipes.index import run_index
-from gradian_lightning.recipes.query import score_matrix
 
 METHODS = ("gradian", "exact", "ekfac")
 
@@ -51,7 +50,7 @@ def gradian_scores(kind: str, where: Dict) -> np.ndarray:
         overrides = settings(kind, where, **{"index.path": f"{tmp}/ix"})
         run_index(load_config(None, overrides))
         train, queries, _ = lds_set(kind, where["data"])
-        return score_matrix(load_config(None, overrides + ["query.top_k=all"]), len(queries), len(train))
+        return product_scores(load_config(None, overrides))
 
 
 def ekfac_scores(kind: str, where: Dict) -> np.ndarray:

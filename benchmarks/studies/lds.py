@@ -39,13 +39,13 @@ from benchmarks.studies.reference import (
     lds_set,
     mean_and_se,
     mrr,
+    product_scores,
     retrained,
 )
 from gradian_lightning.config import load_config
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.index import run_index
-from gradian_lightning.recipes.query import score_matrix
 from gradian_lightning.recipes.validate import run_validate
 from gradian_lightning.validation.retrain import FineTune, fine_tune
 
@@ -160,7 +160,7 @@ def run_kind(kind: str, where: Dict[str, Path], seeds: Sequence[int], dim: int, 
                 if name in done.get(case, {}):
                     continue
                 started = time.perf_counter()
-                scores = score_matrix(load_config(None, overrides + SCORERS[name]), len(queries), len(train))
+                scores = product_scores(load_config(None, overrides + SCORERS[name]))
                 per_query = lds(scores, chosen, outputs)
                 done.setdefault(case, {})[name] = {"per_query": per_query.tolist(), "mrr": mrr(scores, sources)}
                 print(kind, f"seed {seed}", case, name, f"LDS {per_query.mean():+.3f}", f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip

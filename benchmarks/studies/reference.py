@@ -147,3 +147,13 @@ def retrained(runs: Path) -> Tuple[np.ndarray, np.ndarray]:
 
     done = SubsetRuns.existing(runs)
     return done.subsets, -done.losses().mean(axis=0)
+
+
+def product_scores(cfg) -> np.ndarray:
+    """Float64 [Q, N]: every query's score of every row as `gradian query` scores them, through the
+    product's dense `score_all` path (the QuerySpec of cfg.query); 0 for rows never ranked."""
+    from gradian_lightning.recipes.query import dense_scores
+    from gradian_lightning.specs import QuerySpec
+
+    (scores,) = dense_scores(cfg, [QuerySpec.from_config(cfg.query)])
+    return np.nan_to_num(scores.astype(np.float64), nan=0.0)
