@@ -2,7 +2,7 @@
 with the number of rows, since rows are read memory-mapped (datasets) and tokenised as the loader
 takes them (data.TokenizedRows).
 
-    python benchmarks/perf/data_memory.py --rows 10000 1000000 --out runs/data_memory
+    PYTHONPATH=. python -m benchmarks.perf.data_memory --rows 10000 100000 1000000
 
 Each size runs `gradian index` in a child process of its own on a JSONL file of prompt/completion
 rows with ids (so the repeated-id check runs too), over a tiny random Llama (hidden 64, 2 layers,
@@ -16,10 +16,14 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import write_result
 
 WORDS = "the a of to in on at is was who what where lives likes keeps city fruit pet one two three".split()
 
@@ -99,21 +103,30 @@ def measure(out: Path, model_dir: Path, rows: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 1_000_000])
-    parser.add_argument("--out", default="runs/data_memory")
+    parser.add_argument("--smoke", action="store_true", help="200 and 2,000 rows: a minute")
+    parser.add_argument("--out", default=None, help="result JSON folder (default benchmarks/results)")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir = save_model(out)
-    results = []
-    for rows in args.rows:
-        results.append(measure(out, model_dir, rows))
-        print(json.dumps(results[-1]), flush=True)
+    rows = [200, 2_000] if args.smoke else args.rows
+    work = Path(tempfile.mkdtemp(prefix="gradian-data-memory-"))
+    try:
+        model_dir = save_model(work)
+        results = [measure(work, model_dir, n) for n in rows]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     base = results[0]["peak_rss_bytes"]
-    for r in results:
-        print(
-            f"{r['rows']:>9,} rows: peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB ({r['peak_rss_bytes'] / base:.3f}x), {r['wall_s']} s"
-        )
-    (out / "data_memory.json").write_text(json.dumps(results, indent=2) + "\n")
+    header = ["rows", "peak RSS", "against the first", "anonymous / mapped file pages", "wall time"]
+    table_rows = [
+        [
+            f"{r['rows']:,}",
+            f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB",
+            f"{r['peak_rss_bytes'] / base:.2f}x",
+            f"{r['peak_anon_bytes'] / 2**20:,.0f} / {r['peak_file_bytes'] / 2**20:,.0f} MiB",
+            f"{r['wall_s']} s",
+        ]
+        for r in results
+    ]
+    text = "Peak RSS of one `gradian index` child per size (tiny Llama, down_proj, k = 4, batch 64); target: flat within 10%."
+    write_result("data_memory", text, [{"header": header, "rows": table_rows}], args.out, runs=results)
 
 
 if __name__ == "__main__":

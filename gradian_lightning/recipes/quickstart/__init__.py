@@ -194,7 +194,7 @@ def run_quickstart(
             index.at(int(entry["step"])), model, tokenizer, asked, batch_size=batch_size, source=str(QUERIES)
         )
     # No preconditioner: on this tiny model with a checkpoint per epoch it measured best (worst MRR
-    # 0.87 over five training variants, fisher 0.76: benchmarks/results/quickstart_checkpoints.md).
+    # 0.87 over five training variants, fisher 0.76: quickstart_checkpoints.py, in git history: benchmarks/RANKING.md, History).
     results = results_for(
         index, [q["id"] for q in asked], index.topk(rows, top_k, score="cosine", checkpoints="all", precondition="none")
     )
