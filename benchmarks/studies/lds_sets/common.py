@@ -310,3 +310,39 @@ def table(result: Dict[str, Any]) -> str:
             f"| {row['scorer']} | {row['index']} | {fmt(row, 'lds')} | {fmt(row, 'centred_lds')} | {recall} | {mrr} | {spread} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def across_sets(results: List[Dict[str, Any]]) -> str:
+    """A Markdown table: per scorer, each set's raw LDS as a share of that set's best exact-gradient
+    raw LDS (inner or cosine, whichever is higher), and its worst raw share, centred LDS and R@10
+    over the sets: what choosing a default by the worst set compares."""
+    rows: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    best: Dict[str, float] = {}
+    for result in results:
+        name = f"{result['kind']}-N{result['spec']['rows']}"
+        averaged = seed_averaged(result)
+        best[name] = max(r["lds"] for r in averaged if r["index"] == "exact")
+        for row in averaged:
+            if row["index"] and row["index"] != "words":
+                rows.setdefault(f"{row['scorer']} ({'exact' if row['index'] == 'exact' else 'k=16'})", {})[name] = row
+    names = list(best)
+    lines = [
+        "| scorer | "
+        + " | ".join(f"{n} raw / best exact" for n in names)
+        + " | worst raw share | worst centred | worst R@10 |",
+        "|---|" + "---|" * (len(names) + 3),
+    ]
+    for scorer, by_set in rows.items():
+        if set(by_set) != set(names):
+            continue
+        shares = [by_set[n]["lds"] / best[n] for n in names]
+        recalls = [by_set[n]["recall@10"] for n in names if "recall@10" in by_set[n]]
+        worst_centred = min(names, key=lambda n: by_set[n]["centred_lds"])
+        cells = [f"{by_set[n]['lds']:+.3f} / {best[n]:+.3f} = {share:.2f}" for n, share in zip(names, shares)]
+        lines.append(
+            f"| {scorer} | " + " | ".join(cells) + f" | {min(shares):.2f} | "
+            f"{by_set[worst_centred]['centred_lds']:+.3f} ± {by_set[worst_centred]['centred_standard_error']:.3f} ({worst_centred}) | "
+            + (f"{min(recalls):.2f}" if recalls else "")
+            + " |"
+        )
+    return "\n".join(lines) + "\n"

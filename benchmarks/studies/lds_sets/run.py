@@ -20,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.studies.lds_sets.common import SMOLLM2, SetSpec, measure, table
+from benchmarks.studies.lds_sets.common import SMOLLM2, SetSpec, across_sets, measure, table
 from benchmarks.studies.lds_sets.kinds import GENERATORS
 
 HERE = Path(__file__).resolve().parent
@@ -56,10 +56,10 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="print the tables of every result in --results")
     args = parser.parse_args(argv)
     if args.report:
-        for path in sorted(args.results.glob("*.json")):
-            print(
-                f"### {path.stem}\n\n`{json.loads(path.read_text())['command']}`\n\n{table(json.loads(path.read_text()))}"
-            )
+        results = [json.loads(path.read_text()) for path in sorted(args.results.glob("*.json"))]
+        for result in results:
+            print(f"### {result['kind']}, N = {result['spec']['rows']}\n\n`{result['command']}`\n\n{table(result)}")
+        print(f"### Across the sets\n\n{across_sets(results)}")
         return 0
     if args.kind is None:
         parser.error("give a KIND, or --report")
