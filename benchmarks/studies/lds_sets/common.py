@@ -76,10 +76,11 @@ class SetSpec:
     base: Optional[str] = None  # a pretrained base (SmolLM2) instead of a tiny one
     exact_filter: Optional[List[str]] = None  # exact index on fewer modules (SmolLM2's MLP is 885 K values a module)
     seed: int = 0
+    variant: str = ""  # a suffix of the name when the recipe differs from the kind's own
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-N{self.rows}"
+        return f"{self.kind}-N{self.rows}{self.variant}"
 
 
 def settings(spec: SetSpec, work: Path, base: Path, ft: Path, **more: Any) -> List[str]:
@@ -319,7 +320,7 @@ def across_sets(results: List[Dict[str, Any]]) -> str:
     rows: Dict[str, Dict[str, Dict[str, Any]]] = {}
     best: Dict[str, float] = {}
     for result in results:
-        name = f"{result['kind']}-N{result['spec']['rows']}"
+        name = f"{result['kind']}-N{result['spec']['rows']}{result['spec'].get('variant', '')}"
         averaged = seed_averaged(result)
         best[name] = max(r["lds"] for r in averaged if r["index"] == "exact")
         for row in averaged:

@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", nargs="?", choices=sorted(GENERATORS))
     parser.add_argument("--rows", type=int, help="training rows N (default: facts 2048, shared/format 512, smollm2 80)")
+    parser.add_argument(
+        "--learning-rate", type=float, help="the fine-tune's and every subset's AdamW rate (tiny default 3e-3)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the figures")
     parser.add_argument(
         "--work", type=Path, help="models, indexes and retrained subsets (default /tmp/gradian-lds-sets/NAME)"
@@ -64,6 +67,8 @@ def main(argv=None) -> int:
     if args.kind is None:
         parser.error("give a KIND, or --report")
     spec = spec_for(args.kind, args.rows or DEFAULT_ROWS[args.kind], args.smoke)
+    if args.learning_rate is not None:
+        spec.learning_rate, spec.variant = args.learning_rate, f"-lr{args.learning_rate:g}"
     rows, queries, base_rows = GENERATORS[args.kind](spec.rows, spec.queries, spec.seed, spec.base_rows)
     work = args.work or Path("/tmp/gradian-lds-sets") / spec.name
     command = "PYTHONPATH=. python -m benchmarks.studies.lds_sets.run " + shlex.join(
