@@ -296,7 +296,7 @@ def table(result: Dict[str, Any]) -> str:
         return f"{row[key]:+.3f} ± {row[error]:.3f}"
 
     lines = [
-        f"{result['kind']}, N = {result['spec']['rows']}: M = {result['num_subsets']} subsets × {result['repeats']} repeats, "
+        f"{result['kind']}, N = {result['spec']['rows']}{result['spec'].get('variant', '')}: M = {result['num_subsets']} subsets × {result['repeats']} repeats, "
         f"{result['spec']['queries']} queries; {100 * result['shared_variance']:.0f}% of the loss variance is shared by all queries; "
         f"{result['seconds_per_run']:.1f} s per retraining run",
         "",

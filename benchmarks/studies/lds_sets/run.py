@@ -61,7 +61,9 @@ def main(argv=None) -> int:
     if args.report:
         results = [json.loads(path.read_text()) for path in sorted(args.results.glob("*.json"))]
         for result in results:
-            print(f"### {result['kind']}, N = {result['spec']['rows']}\n\n`{result['command']}`\n\n{table(result)}")
+            print(
+                f"### {result['kind']}, N = {result['spec']['rows']}{result['spec'].get('variant', '')}\n\n`{result['command']}`\n\n{table(result)}"
+            )
         print(f"### Across the sets\n\n{across_sets(results)}")
         return 0
     if args.kind is None:
