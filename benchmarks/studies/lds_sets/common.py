@@ -113,6 +113,24 @@ def write_rows(path: Path, rows: List[Dict]) -> None:
         path.write_text(text)
 
 
+def train_and_save(spec: SetSpec, model: Any, tokenizer: Any, rows: List[Dict], epochs: int, out: Path) -> Path:
+    """`model` trained on `rows` with validate's recipe (FineTune: AdamW at the set's rate, its
+    batch size, shuffled by its seed), saved with `tokenizer` as a Hugging Face directory at `out`."""
+    fine_tune(
+        FineTune(model.train(), spec.learning_rate),
+        rows,
+        tokenizer,
+        spec.max_seq_length,
+        spec.batch_size,
+        epochs,
+        spec.seed,
+        {"accelerator": "cpu", "devices": 1},
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def tiny_base(spec: SetSpec, work: Path, texts: List[str], base_rows: List[Dict]) -> Path:
     """The quickstart's model (word-level tokenizer over every text of the set, random-init small
     Llama) trained on the disjoint base rows, saved once as a Hugging Face directory."""
@@ -120,20 +138,7 @@ def tiny_base(spec: SetSpec, work: Path, texts: List[str], base_rows: List[Dict]
     if (out / "config.json").is_file():
         return out
     tokenizer = word_tokenizer(texts)
-    model = tiny_llama(len(tokenizer), seed=spec.seed)
-    fine_tune(
-        FineTune(model.train(), spec.learning_rate),
-        base_rows,
-        tokenizer,
-        spec.max_seq_length,
-        spec.batch_size,
-        spec.base_epochs,
-        spec.seed,
-        {"accelerator": "cpu", "devices": 1},
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return train_and_save(spec, tiny_llama(len(tokenizer), seed=spec.seed), tokenizer, base_rows, spec.base_epochs, out)
 
 
 def fine_tuned(spec: SetSpec, work: Path, base: Path, train: List[Dict]) -> Path:
@@ -141,21 +146,8 @@ def fine_tuned(spec: SetSpec, work: Path, base: Path, train: List[Dict]) -> Path
     out = work / "ft"
     if (out / "config.json").is_file():
         return out
-    cfg = load_config(None, [f"model.name_or_path={base}"])
-    model, tokenizer = load_model_and_tokenizer(cfg.model)
-    fine_tune(
-        FineTune(model.train(), spec.learning_rate),
-        train,
-        tokenizer,
-        spec.max_seq_length,
-        spec.batch_size,
-        spec.epochs,
-        spec.seed,
-        {"accelerator": "cpu", "devices": 1},
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={base}"]).model)
+    return train_and_save(spec, model, tokenizer, train, spec.epochs, out)
 
 
 def index(args: List[str], path: Path, **more: str) -> Path:
