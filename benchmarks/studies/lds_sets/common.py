@@ -225,7 +225,7 @@ def measure(
         ("exact", EXACT, {"grads.projection_dim": "null"}),
     ]:
         if label == "exact" and spec.exact_filter:
-            more = {**more, "grads.module_filter": "[" + ",".join(spec.exact_filter) + "]"}
+            more = {**more, "grads.module_filter": json.dumps(spec.exact_filter)}
         path = index(args, work / f"index-{label}", **more)
         scored = [*args, f"index.path={path}", *(f"{k}={v}" for k, v in more.items())]
         report = run_validate(load_config(None, [*scored, f"validate.scorers={json.dumps(scorers)}"]))
