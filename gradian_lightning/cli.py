@@ -127,13 +127,20 @@ def _validate(args: argparse.Namespace) -> None:
     print(
         f"\ngradian validate: LDS over {n} retrained subsets ({report['repeats']} run(s) each), mean ± standard error over {report['queries']} queries"
     )
-    rows = [(s["name"], s["lds"], s["standard_error"]) for s in report["scorers"]]
-    rows.append(("random scores", report["random"]["lds"], report["random"]["standard_error"]))
+    print(
+        f"  {100 * report['shared_variance']:.0f}% of the query losses' variance across subsets moves all queries together."
+        " raw: would removing these rows change this answer (the shared movement included);"
+        " centred: which rows move this answer more than the others (each subset's mean over queries removed)"
+    )
+    rows = [(s["name"], s) for s in report["scorers"]] + [("random scores", report["random"])]
     if "ceiling" in report:
-        rows.append(("retraining noise ceiling", report["ceiling"]["lds"], report["ceiling"]["standard_error"]))
-    width = max(len(name) for name, _, _ in rows)
-    for name, lds, error in rows:
-        print(f"  {name:<{width}}  {lds:+.3f} ± {error:.3f}")
+        rows.append(("retraining noise ceiling", report["ceiling"]))
+    width = max(len(name) for name, _ in rows)
+    print(f"  {'':<{width}}  {'raw LDS':>14}  {'centred LDS':>14}")
+    for name, entry in rows:
+        print(
+            f"  {name:<{width}}  {entry['lds']:+.3f} ± {entry['standard_error']:.3f}  {entry['centred_lds']:+.3f} ± {entry['centred_standard_error']:.3f}"
+        )
     print(
         f"  report: {report['output']}/lds.json, per query: {report['output']}/lds_per_query.jsonl; chart: {report['chart']}"
     )

@@ -9,7 +9,7 @@ from conftest import ROWS, write_jsonl
 
 from gradian_lightning.cli import main
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.validation.lds import linear_datamodeling_score, spearman
+from gradian_lightning.validation.lds import linear_datamodeling_score, shared_variance_share, spearman
 from gradian_lightning.validation.subsets import SubsetRuns, random_subsets
 
 
@@ -46,6 +46,59 @@ def test_a_scorer_equal_to_the_true_effect_reaches_lds_near_one_and_random_near_
     # and the per-query values are Spearman of the summed scores, as defined
     predicted = subsets @ effect.T
     assert truth[3] == pytest.approx(reference_spearman(predicted[:, 3], outputs[:, 3]), abs=1e-12)
+
+
+def reference_centred_lds(scores, subsets, outputs):
+    """Centred LDS by its definition, one query at a time: each subset's mean over the queries is
+    taken out of the predicted and the measured output by explicit loops, then Spearman."""
+    models, queries = outputs.shape
+    predicted = [[sum(scores[q, i] for i in np.flatnonzero(subsets[m])) for q in range(queries)] for m in range(models)]
+    lds = []
+    for q in range(queries):
+        mine = [predicted[m][q] - sum(predicted[m]) / queries for m in range(models)]
+        measured = [outputs[m, q] - sum(outputs[m]) / queries for m in range(models)]
+        lds.append(reference_spearman(mine, measured))
+    return np.array(lds)
+
+
+def reference_shared_share(outputs):
+    """The shared share by a two-way analysis of variance: subset effect over subset + residual."""
+    grand = outputs.mean()
+    subset_effect = outputs.mean(axis=1) - grand  # [M]
+    query_effect = outputs.mean(axis=0) - grand  # [Q]
+    shared = outputs.shape[1] * np.sum(subset_effect**2)
+    specific = np.sum((outputs - grand - subset_effect[:, None] - query_effect[None, :]) ** 2)
+    return shared / (shared + specific)
+
+
+def test_centred_lds_and_the_shared_share_match_a_per_query_loop():
+    rng = np.random.default_rng(3)
+    queries, rows, models = 7, 30, 20
+    scores = rng.normal(size=(queries, rows))
+    subsets = random_subsets(rows, models, 0.5, seed=4)
+    outputs = rng.normal(size=(models, queries)) + rng.normal(size=(models, 1))
+    np.testing.assert_allclose(
+        linear_datamodeling_score(scores, subsets, outputs, centred=True),
+        reference_centred_lds(scores, subsets, outputs),
+        atol=1e-12,
+    )
+    assert shared_variance_share(outputs) == pytest.approx(reference_shared_share(outputs), abs=1e-12)
+
+
+def test_raw_lds_rewards_the_shared_movement_and_centred_lds_does_not():
+    rng = np.random.default_rng(5)
+    queries, rows, models = 12, 80, 64
+    format_effect = rng.normal(size=rows)  # each row's effect on every query: a shared format
+    own_effect = rng.normal(size=(queries, rows))  # each row's effect on one query alone
+    subsets = random_subsets(rows, models, 0.5, seed=6)
+    shared, own = subsets @ format_effect, subsets @ own_effect.T  # [M], [M, Q]
+    outputs = 3 * shared[:, None] + own
+    assert shared_variance_share(outputs) == pytest.approx(9 / 10, abs=0.1)  # 3² : 1 by construction
+    same_for_all = np.tile(format_effect, (queries, 1)) + 1e-3 * rng.normal(size=(queries, rows))
+    raw, centred = (linear_datamodeling_score(same_for_all, subsets, outputs, centred=c).mean() for c in (0, 1))
+    assert raw > 0.85 and abs(centred) < 0.15  # predicts the movement all queries share, nothing of each one's own
+    raw, centred = (linear_datamodeling_score(own_effect, subsets, outputs, centred=c).mean() for c in (0, 1))
+    assert raw < 0.5 and centred > 0.9  # the reverse: each query's own rows, blind to the shared part
 
 
 def _index(tmp_path, saved_model, capsys):
@@ -102,6 +155,8 @@ def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, sa
     assert (
         "gradian validate: LDS over 4 retrained subsets (2 run(s) each)" in printed
         and "retraining noise ceiling" in printed
+        and "moves all queries together" in printed
+        and "centred LDS" in printed
     )
     assert all(p.read_text() == text for p, text in before.items())  # the finished runs were kept, not redone
     assert len(list((out / "subsets").glob("*.json"))) == 8
@@ -144,6 +199,14 @@ def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, sa
     expected = [reference_spearman(subsets.astype(float) @ scores[q], outputs[:, q]) for q in range(3)]
     got = [row["lds"] for row in per_query if row["scorer"] == "score=inner, precondition=none"]
     np.testing.assert_allclose(got, expected, atol=1e-9)
+    got = [row["centred_lds"] for row in per_query if row["scorer"] == "score=inner, precondition=none"]
+    np.testing.assert_allclose(got, reference_centred_lds(scores, subsets, outputs), atol=1e-9)
+    assert report["shared_variance"] == pytest.approx(reference_shared_share(outputs), abs=1e-12)
+    first, second = -losses[0], -losses[1]
+    centred_ceiling = [
+        reference_spearman(first[:, q] - first.mean(axis=1), second[:, q] - second.mean(axis=1)) for q in range(3)
+    ]
+    assert report["ceiling"]["centred_lds"] == pytest.approx(np.nanmean(centred_ceiling), abs=1e-9)
 
 
 def test_top_k_all_ranks_every_row(tmp_path, saved_model, capsys):

@@ -33,7 +33,13 @@ from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.query import dense_scores
 from gradian_lightning.saved_models import load_saved_model
 from gradian_lightning.specs import QuerySpec
-from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, spearman
+from gradian_lightning.validation.lds import (
+    centred_over_queries,
+    linear_datamodeling_score,
+    mean_and_standard_error,
+    shared_variance_share,
+    spearman,
+)
 from gradian_lightning.validation.retrain import FineTune, fine_tune, query_losses, run_seed
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
 
@@ -133,6 +139,7 @@ def run_validate(
         "num_subsets": len(runs.subsets),
         "repeats": runs.repeats,
         "queries": len(queries),
+        "shared_variance": shared_variance_share(outputs),
         "scorers": [],
     }
     per_query: List[Dict[str, Any]] = []
@@ -140,17 +147,21 @@ def run_validate(
     matrices = dense_scores(cfg, [QuerySpec.from_config(c.query) for c in scoring])
     for scorer, matrix in zip(scorers, matrices):
         scores = np.nan_to_num(matrix.astype(np.float64), nan=0.0)
-        lds = linear_datamodeling_score(scores, runs.subsets, outputs)
-        mean, error = mean_and_standard_error(lds)
-        report["scorers"].append({"scorer": scorer, "name": scorer_name(scorer), "lds": mean, "standard_error": error})
-        per_query += [{"scorer": scorer_name(scorer), "query": q, "lds": _finite(x)} for q, x in enumerate(lds)]
+        raw, centred = (linear_datamodeling_score(scores, runs.subsets, outputs, centred=c) for c in (False, True))
+        report["scorers"].append({"scorer": scorer, "name": scorer_name(scorer), **_lds_entry(raw, centred)})
+        per_query += [
+            {"scorer": scorer_name(scorer), "query": q, "lds": _finite(x), "centred_lds": _finite(y)}
+            for q, (x, y) in enumerate(zip(raw, centred))
+        ]
     noise = np.random.default_rng(v.seed).standard_normal((len(queries), len(train_rows)))
-    report["random"] = dict(
-        zip(("lds", "standard_error"), mean_and_standard_error(linear_datamodeling_score(noise, runs.subsets, outputs)))
+    report["random"] = _lds_entry(
+        *(linear_datamodeling_score(noise, runs.subsets, outputs, centred=c) for c in (False, True))
     )
     if runs.repeats >= 2:  # how well one retraining predicts another: what no scorer can beat
-        ceiling = spearman(-losses[0].T, -losses[1].T)
-        report["ceiling"] = dict(zip(("lds", "standard_error"), mean_and_standard_error(ceiling)))
+        first, second = -losses[0], -losses[1]
+        report["ceiling"] = _lds_entry(
+            spearman(first.T, second.T), spearman(centred_over_queries(first).T, centred_over_queries(second).T)
+        )
     output = Path(v.output)
     write_json_atomically(output / "lds.json", report)
     (output / "lds_per_query.jsonl").write_text("".join(json.dumps(row) + "\n" for row in per_query))
@@ -159,12 +170,18 @@ def run_validate(
     return report
 
 
+def _lds_entry(raw: np.ndarray, centred: np.ndarray) -> Dict[str, float]:
+    """The report's figures for per-query raw and centred LDS [Q]: each one's mean and standard error."""
+    (lds, error), (centred_lds, centred_error) = mean_and_standard_error(raw), mean_and_standard_error(centred)
+    return {"lds": lds, "standard_error": error, "centred_lds": centred_lds, "centred_standard_error": centred_error}
+
+
 def _finite(x: float) -> Optional[float]:
     return float(x) if np.isfinite(x) else None
 
 
 def _chart(report: Dict[str, Any], path: Path) -> str:
-    """A bar chart of each scorer's LDS (± standard error), random's and the ceiling; the path, or why none was drawn."""
+    """A bar chart of each scorer's raw and centred LDS (± standard error), random's and the ceiling; the path, or why none was drawn."""
     try:
         matplotlib = require_extra("matplotlib", "bench", "the LDS bar chart")
     except MissingExtraError as err:
@@ -172,16 +189,20 @@ def _chart(report: Dict[str, Any], path: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [(s["name"], s["lds"], s["standard_error"]) for s in report["scorers"]]
-    bars.append(("random scores", report["random"]["lds"], report["random"]["standard_error"]))
+    named = [(s["name"], s) for s in report["scorers"]] + [("random scores", report["random"])]
     if "ceiling" in report:
-        bars.append(("retraining noise ceiling", report["ceiling"]["lds"], report["ceiling"]["standard_error"]))
-    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(bars)))
-    names, values, errors = zip(*bars)
-    ax.barh(range(len(bars)), values, xerr=[e if np.isfinite(e) else 0 for e in errors], color="#4878a8")
-    ax.set_yticks(range(len(bars)), names)
+        named.append(("retraining noise ceiling", report["ceiling"]))
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.6 * len(named)))
+    place = np.arange(len(named))
+    for shift, key, colour, label in ((-0.2, "", "#4878a8", "raw"), (0.2, "centred_", "#d08c3c", "centred")):
+        values = [entry[f"{key}lds"] for _, entry in named]
+        errors = [entry[f"{key}standard_error"] for _, entry in named]
+        errors = [e if np.isfinite(e) else 0 for e in errors]
+        ax.barh(place + shift, values, height=0.4, xerr=errors, color=colour, label=label)
+    ax.set_yticks(place, [name for name, _ in named])
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=0.8)
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel(f"LDS (Spearman over {report['num_subsets']} subsets, mean over {report['queries']} queries)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -4,6 +4,13 @@ For M models trained on subsets S_1..S_M of the training rows and Q queries: a s
 model m's output on query q as the sum of its scores of the rows in S_m; the measured output is
 -loss (the query's supervised-token loss summed, under model m). A query's LDS is the Spearman
 rank correlation of the two over the M subsets; the score of a scorer is the mean over queries.
+
+Centred LDS asks a narrower question. Some subsets lower every query's loss at once (rows that
+teach a shared format or style, say): raw LDS rewards predicting that common movement, which says
+little about which rows matter to one answer more than to others. Removing each subset's mean over
+the queries, from the predicted and the measured outputs alike, before the per-query correlation
+leaves only what moves one query relative to the rest. `shared_variance_share` says how much of the
+variance the removed part held.
 """
 
 from __future__ import annotations
@@ -40,14 +47,41 @@ def spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(denominator > 0, (ra * rb).sum(axis=-1) / denominator, np.nan)
 
 
-def linear_datamodeling_score(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> np.ndarray:
+def centred_over_queries(values: np.ndarray) -> np.ndarray:
+    """`values` [M, Q] (float64) with each subset's mean over the Q queries removed from its row."""
+    values = np.asarray(values, dtype=np.float64)
+    return values - values.mean(axis=1, keepdims=True)
+
+
+def linear_datamodeling_score(
+    scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray, centred: bool = False
+) -> np.ndarray:
     """Per-query LDS [Q] float64.
 
     scores [Q, N]: each query's score of each training row; subsets [M, N] bool: the rows each
     model was trained on; outputs [M, Q]: each model's measured output per query (-loss).
+    `centred`: remove each subset's mean over queries from the predicted and the measured outputs
+    first (needs Q >= 2; with one query nothing is left to correlate).
     """
     predicted = np.asarray(subsets, dtype=np.float64) @ np.asarray(scores, dtype=np.float64).T  # [M, Q]
-    return spearman(predicted.T, np.asarray(outputs, dtype=np.float64).T)
+    outputs = np.asarray(outputs, dtype=np.float64)
+    if centred:
+        predicted, outputs = centred_over_queries(predicted), centred_over_queries(outputs)
+    return spearman(predicted.T, outputs.T)
+
+
+def shared_variance_share(outputs: np.ndarray) -> float:
+    """The share (0..1) of the outputs' variance across subsets that all queries share.
+
+    outputs [M, Q]. Each query's output is centred over the subsets; the shared part is, per
+    subset, the mean of those over the queries. Shared and query-specific parts are orthogonal,
+    so the share is the shared part's sum of squares over the total's (NaN when nothing varies).
+    """
+    varying = np.asarray(outputs, dtype=np.float64)
+    varying = varying - varying.mean(axis=0, keepdims=True)
+    shared = varying.mean(axis=1, keepdims=True)  # [M, 1]
+    total = float((varying * varying).sum())
+    return float(varying.shape[1] * (shared * shared).sum() / total) if total > 0 else float("nan")
 
 
 def mean_and_standard_error(values: np.ndarray) -> Tuple[float, float]:

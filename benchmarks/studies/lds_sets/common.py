@@ -1,0 +1,341 @@
+"""What every LDS set shares: its base and fine-tuned models, its indexes, `gradian validate`'s
+retrained subsets and the scorers measured on them, planted-source retrieval and a BM25 baseline.
+
+Everything goes through the product: `run_index` builds the indexes (projected at
+`grads.projection_dim` 16 with `grads.seed` 0, 1, 2, ...; and exact, `projection_dim=null`, the
+reference), `run_validate` retrains the subsets once (kept in WORK/runs, so a killed run resumes
+there) and scores each index's scorers, `reference.product_scores` gives the scores retrieval is measured on.
+Each index holds the base and the fine-tuned model as `model.checkpoints=[base, ft]` (steps 0 and 1):
+`query.checkpoints=all` is base + ft (today's default), `last` the fine-tune alone, `[0]` the base alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from benchmarks.studies.reference import product_scores
+from gradian_lightning.config import load_config
+from gradian_lightning.hub import load_model_and_tokenizer
+from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.recipes.index import run_index
+from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
+from gradian_lightning.recipes.validate import run_validate, scorer_name
+from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, shared_variance_share
+from gradian_lightning.validation.retrain import FineTune, fine_tune
+from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
+
+SMOLLM2 = Path.home() / ".cache" / "gradian" / "smollm2-135m-instruct"
+# On the projected index. Today's default first: precondition auto, per-module cosine, base + ft.
+PROJECTED: List[Dict[str, Any]] = [
+    {},
+    {"checkpoints": "last"},
+    {"checkpoints": [0]},
+    *({"precondition": p} for p in ("none", "diag", "ekfac", "fisher")),
+    {"precondition": "fisher", "checkpoints": "last"},
+    {"score": "inner"},
+    {"score": "inner", "precondition": "none"},
+    {"score": "inner", "precondition": "none", "checkpoints": "last"},
+    {"normalize": "row"},
+    {"normalize": "row", "precondition": "none"},
+]
+# On the exact index (projection_dim=null): the reference, unpreconditioned.
+EXACT: List[Dict[str, Any]] = [
+    {"precondition": "none", **s, **c}
+    for c in ({}, {"checkpoints": "last"})
+    for s in ({"score": "inner"}, {"normalize": "row"}, {"normalize": "module"})
+]
+
+
+@dataclass
+class SetSpec:
+    """One LDS set's sizes and training recipe."""
+
+    kind: str
+    rows: int
+    queries: int = 24
+    base_rows: int = 1024  # disjoint rows the tiny base is trained on first (0: a pretrained base)
+    base_epochs: int = 12
+    num_subsets: int = 24
+    repeats: int = 2
+    epochs: int = 4
+    learning_rate: float = 3e-3
+    batch_size: int = 16
+    max_seq_length: int = 40
+    seeds: List[int] = field(default_factory=lambda: [0, 1, 2])  # projection draws
+    base: Optional[str] = None  # a pretrained base (SmolLM2) instead of a tiny one
+    exact_filter: Optional[List[str]] = None  # exact index on fewer modules (SmolLM2's MLP is 885 K values a module)
+    seed: int = 0
+    variant: str = ""  # a suffix of the name when the recipe differs from the kind's own
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-N{self.rows}{self.variant}"
+
+
+def settings(spec: SetSpec, work: Path, base: Path, ft: Path, **more: Any) -> List[str]:
+    """The `key=value` settings of this set's indexes and validation."""
+    values = {
+        "model.name_or_path": str(base),
+        "model.checkpoints": f"[{base},{ft}]",
+        "data.train": str(work / "train.jsonl"),
+        "query.data": str(work / "queries.jsonl"),
+        "trainer.accelerator": "cpu",
+        "trainer.enable_progress_bar": "false",
+        "grads.batch_size": "16",
+        "grads.max_seq_length": str(spec.max_seq_length),
+        "validate.num_subsets": str(spec.num_subsets),
+        "validate.repeats": str(spec.repeats),
+        "validate.epochs": str(spec.epochs),
+        "validate.learning_rate": str(spec.learning_rate),
+        "validate.batch_size": str(spec.batch_size),
+        "validate.seed": str(spec.seed),
+        "validate.output": str(work / "runs"),
+        **more,
+    }
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def write_rows(path: Path, rows: List[Dict]) -> None:
+    """Rows as JSONL, only when they differ from what is there (the data's hash keys the runs)."""
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+
+
+def train_and_save(spec: SetSpec, model: Any, tokenizer: Any, rows: List[Dict], epochs: int, out: Path) -> Path:
+    """`model` trained on `rows` with validate's recipe (FineTune: AdamW at the set's rate, its
+    batch size, shuffled by its seed), saved with `tokenizer` as a Hugging Face directory at `out`."""
+    fine_tune(
+        FineTune(model.train(), spec.learning_rate),
+        rows,
+        tokenizer,
+        spec.max_seq_length,
+        spec.batch_size,
+        epochs,
+        spec.seed,
+        {"accelerator": "cpu", "devices": 1},
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tiny_base(spec: SetSpec, work: Path, texts: List[str], base_rows: List[Dict]) -> Path:
+    """The quickstart's model (word-level tokenizer over every text of the set, random-init small
+    Llama) trained on the disjoint base rows, saved once as a Hugging Face directory."""
+    out = work / "base"
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = word_tokenizer(texts)
+    return train_and_save(spec, tiny_llama(len(tokenizer), seed=spec.seed), tokenizer, base_rows, spec.base_epochs, out)
+
+
+def fine_tuned(spec: SetSpec, work: Path, base: Path, train: List[Dict]) -> Path:
+    """The base fine-tuned on every row with validate's recipe (what the index is of), saved once."""
+    out = work / "ft"
+    if (out / "config.json").is_file():
+        return out
+    model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={base}"]).model)
+    return train_and_save(spec, model, tokenizer, train, spec.epochs, out)
+
+
+def index(args: List[str], path: Path, **more: str) -> Path:
+    """The index at `path`, built once with `args` and `more` (a `.done` file beside it says it finished)."""
+    done = path.with_name(path.name + ".done")
+    if stored_meta(str(path)) is None or not done.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        run_index(load_config(None, args + [f"index.path={path}"] + [f"{k}={v}" for k, v in more.items()]))
+        done.touch()
+    return path
+
+
+def tokens(text: str) -> List[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def bm25(train: List[Dict], queries: List[Dict], k1: float = 1.5, b: float = 0.75) -> np.ndarray:
+    """Okapi BM25 of each query's prompt + completion words against each row's: float64 [Q, N]."""
+    docs = [Counter(tokens(r["prompt"] + r["completion"])) for r in train]
+    lengths = np.array([sum(d.values()) for d in docs], dtype=np.float64)
+    frequency = Counter(w for d in docs for w in d)
+    n = len(docs)
+    scores = np.zeros((len(queries), n))
+    for q, query in enumerate(queries):
+        for word in set(tokens(query["prompt"] + query["completion"])):
+            if word not in frequency:
+                continue
+            idf = math.log(1 + (n - frequency[word] + 0.5) / (frequency[word] + 0.5))
+            tf = np.array([d[word] for d in docs], dtype=np.float64)
+            scores[q] += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths / lengths.mean()))
+    return scores
+
+
+def retrieval(scores: np.ndarray, sources: List[List[int]]) -> Dict[str, float]:
+    """recall@10 (the share of a query's sources in its top 10, out of min(10, its sources); for one
+    source, whether it is there) and MRR of the first source, means over queries."""
+    recall, reciprocal = [], []
+    for q, src in enumerate(sources):
+        order = np.argsort(-scores[q], kind="stable")
+        top = set(order[:10].tolist())
+        recall.append(len(top & set(src)) / min(10, len(src)))
+        reciprocal.append(1.0 / (1 + int(np.flatnonzero(np.isin(order, src))[0])))
+    return {"recall@10": float(np.mean(recall)), "mrr": float(np.mean(reciprocal))}
+
+
+def lds_figures(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, float]:
+    """Raw and centred LDS (mean, standard error over queries) of a score matrix, as validate reports them."""
+    raw, centred = (linear_datamodeling_score(scores, subsets, outputs, centred=c) for c in (False, True))
+    (lds, error), (c_lds, c_error) = mean_and_standard_error(raw), mean_and_standard_error(centred)
+    return {"lds": lds, "standard_error": error, "centred_lds": c_lds, "centred_standard_error": c_error}
+
+
+def measure(
+    spec: SetSpec, work: Path, rows: List[Dict], queries: List[Dict], base_rows: List[Dict], command: str
+) -> Dict[str, Any]:
+    """Build, retrain and score one set; the result (also written to work/result.json)."""
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    write_rows(work / "train.jsonl", rows)
+    write_rows(work / "queries.jsonl", queries)
+    started = time.perf_counter()
+    if spec.base:
+        base = Path(spec.base)
+    else:
+        texts = [r["prompt"] + r["completion"] for r in rows + queries + base_rows]
+        base = tiny_base(spec, work, texts, base_rows)
+    ft = fine_tuned(spec, work, base, rows)
+    args = settings(spec, work, base, ft)
+    ids = [r["id"] for r in rows]
+    sources = [[ids.index(s) for s in q["sources"]] for q in queries] if all("sources" in q for q in queries) else None
+    result: Dict[str, Any] = {"kind": spec.kind, "spec": spec.__dict__, "command": command, "indexes": {}}
+    # The retraining happens in the first validate call; later calls find every run on disk.
+    for label, scorers, more in [
+        *((f"projected-seed{s}", PROJECTED, {"grads.seed": str(s)}) for s in spec.seeds),
+        ("exact", EXACT, {"grads.projection_dim": "null"}),
+    ]:
+        if label == "exact" and spec.exact_filter:
+            more = {**more, "grads.module_filter": json.dumps(spec.exact_filter)}
+        path = index(args, work / f"index-{label}", **more)
+        scored = [*args, f"index.path={path}", *(f"{k}={v}" for k, v in more.items())]
+        report = run_validate(load_config(None, [*scored, f"validate.scorers={json.dumps(scorers)}"]))
+        entries = []
+        for entry, scorer in zip(report["scorers"], scorers):
+            cfg = load_config(None, [*scored, *(f"query.{k}={json.dumps(v)}" for k, v in scorer.items())])
+            if sources is not None:
+                entry.update(retrieval(product_scores(cfg), sources))
+            entries.append(entry)
+        result["indexes"][label] = {"scorers": entries, "random": report["random"], "ceiling": report.get("ceiling")}
+        result.update(shared_variance=report["shared_variance"], num_subsets=report["num_subsets"])
+        result["repeats"] = report["repeats"]
+    done = SubsetRuns.existing(work / "runs")
+    outputs = -done.losses().mean(axis=0)
+    lexical = bm25(rows, queries)
+    result["bm25"] = {**lds_figures(lexical, done.subsets, outputs), **(retrieval(lexical, sources) if sources else {})}
+    result["shared_variance"] = shared_variance_share(outputs)
+    result["seconds_per_run"] = float(
+        np.mean([json.loads(p.read_text())["seconds"] for p in (work / "runs" / "subsets").glob("*.json")])
+    )
+    result["wall_seconds"] = time.perf_counter() - started
+    write_json_atomically(work / "result.json", result)
+    return result
+
+
+def seed_averaged(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per scorer: each figure averaged over the projection seeds (exact: its one index),
+    with the spread (max - min) of raw LDS over the seeds."""
+    rows = []
+    projected = [v for k, v in result["indexes"].items() if k.startswith("projected")]
+    for i, scorer in enumerate(projected[0]["scorers"]):
+        draws = [p["scorers"][i] for p in projected]
+        row = {"scorer": scorer_name(scorer["scorer"]), "index": f"projected k=16 ({len(draws)} seeds)"}
+        for key in ("lds", "standard_error", "centred_lds", "centred_standard_error", "recall@10", "mrr"):
+            if key in scorer:
+                row[key] = float(np.mean([d[key] for d in draws]))
+        row["lds_spread"] = float(max(d["lds"] for d in draws) - min(d["lds"] for d in draws))
+        rows.append(row)
+    for scorer in result["indexes"]["exact"]["scorers"]:
+        rows.append(
+            {
+                "scorer": scorer_name(scorer["scorer"]),
+                "index": "exact",
+                **{k: v for k, v in scorer.items() if k not in ("scorer", "name")},
+            }
+        )
+    rows.append({"scorer": "BM25", "index": "words", **result["bm25"]})
+    for label in ("random", "ceiling"):
+        entry = result["indexes"]["exact"][label]
+        if entry:
+            rows.append({"scorer": label, "index": "", **entry})
+    return rows
+
+
+def table(result: Dict[str, Any]) -> str:
+    """A Markdown table of `seed_averaged(result)`."""
+
+    def fmt(row: Dict[str, Any], key: str) -> str:
+        error = "standard_error" if key == "lds" else "centred_standard_error"
+        return f"{row[key]:+.3f} ± {row[error]:.3f}"
+
+    lines = [
+        f"{result['kind']}, N = {result['spec']['rows']}{result['spec'].get('variant', '')}: M = {result['num_subsets']} subsets × {result['repeats']} repeats, "
+        f"{result['spec']['queries']} queries; {100 * result['shared_variance']:.0f}% of the loss variance is shared by all queries; "
+        f"{result['seconds_per_run']:.1f} s per retraining run",
+        "",
+        "| scorer | index | raw LDS | centred LDS | R@10 | MRR | raw spread over seeds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in seed_averaged(result):
+        recall = f"{row['recall@10']:.2f}" if "recall@10" in row else ""
+        mrr = f"{row['mrr']:.2f}" if "mrr" in row else ""
+        spread = f"{row['lds_spread']:.3f}" if "lds_spread" in row else ""
+        lines.append(
+            f"| {row['scorer']} | {row['index']} | {fmt(row, 'lds')} | {fmt(row, 'centred_lds')} | {recall} | {mrr} | {spread} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def across_sets(results: List[Dict[str, Any]]) -> str:
+    """A Markdown table: per scorer, each set's raw LDS as a share of that set's best exact-gradient
+    raw LDS (inner or cosine, whichever is higher), and its worst raw share, centred LDS and R@10
+    over the sets: what choosing a default by the worst set compares."""
+    rows: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    best: Dict[str, float] = {}
+    for result in results:
+        name = f"{result['kind']}-N{result['spec']['rows']}{result['spec'].get('variant', '')}"
+        averaged = seed_averaged(result)
+        best[name] = max(r["lds"] for r in averaged if r["index"] == "exact")
+        for row in averaged:
+            if row["index"] and row["index"] != "words":
+                rows.setdefault(f"{row['scorer']} ({'exact' if row['index'] == 'exact' else 'k=16'})", {})[name] = row
+    names = list(best)
+    lines = [
+        "| scorer | "
+        + " | ".join(f"{n} raw / best exact" for n in names)
+        + " | worst raw share | worst centred | worst R@10 |",
+        "|---|" + "---|" * (len(names) + 3),
+    ]
+    for scorer, by_set in rows.items():
+        if set(by_set) != set(names):
+            continue
+        shares = [by_set[n]["lds"] / best[n] for n in names]
+        recalls = [by_set[n]["recall@10"] for n in names if "recall@10" in by_set[n]]
+        worst_centred = min(names, key=lambda n: by_set[n]["centred_lds"])
+        cells = [f"{by_set[n]['lds']:+.3f} / {best[n]:+.3f} = {share:.2f}" for n, share in zip(names, shares)]
+        lines.append(
+            f"| {scorer} | " + " | ".join(cells) + f" | {min(shares):.2f} | "
+            f"{by_set[worst_centred]['centred_lds']:+.3f} ± {by_set[worst_centred]['centred_standard_error']:.3f} ({worst_centred}) | "
+            + (f"{min(recalls):.2f}" if recalls else "")
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
