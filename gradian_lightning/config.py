@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.specs import IndexSpec, QuerySpec, check
+from gradian_lightning.specs import Fields, IndexSpec, QuerySpec, check
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 ENGINES = ("local", "dask")
@@ -36,16 +36,19 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataSource:
+    """The `data.*` key that says where the rows are; the rest of `data.*` is `Fields`' columns."""
+
     # What datasets reads (data_sources.py): a JSONL/JSON/parquet/arrow/CSV file (.gz too), a
     # save_to_disk folder, or a hub name:split; prompt/completion, messages or text rows, optional id.
     train: str = "???"
-    # The columns that hold each part of a row (in data.train and query.data alike).
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    messages_field: str = "messages"
-    text_field: str = "text"
-    id_field: str = "id"
+
+
+# data.prompt_field ... data.id_field: the column that holds each part of a row (specs.Fields), in
+# data.train and query.data alike.
+DataConfig = make_dataclass(
+    "DataConfig", [(f"{f.name}_field", str, field(default=f.default)) for f in fields(Fields)], bases=(DataSource,)
+)
 
 
 @dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -25,29 +24,9 @@ import torch
 from torch.utils.data import Dataset
 
 from gradian_lightning.errors import DataError
+from gradian_lightning.specs import Fields
 
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class Fields:
-    """Which column holds each part of a row (the `data.*_field` settings): a Hugging Face
-    dataset's `question`/`answer` columns are `Fields(prompt="question", completion="answer")`."""
-
-    prompt: str = "prompt"
-    completion: str = "completion"
-    messages: str = "messages"
-    text: str = "text"
-    id: str = "id"
-
-    @classmethod
-    def from_config(cls, data_cfg: Any) -> "Fields":
-        """From the `data.*_field` settings of a config's `data` section."""
-        return cls(**{f.name: str(data_cfg[f"{f.name}_field"]) for f in dataclass_fields(cls)})
-
-    def row(self, raw: Dict[str, Any]) -> Dict[str, Any]:
-        """The row under gradian's names (prompt, completion, messages, text, id), nulls dropped."""
-        return {f.name: raw[col] for f in dataclass_fields(self) if raw.get(col := getattr(self, f.name)) is not None}
 
 
 def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:

@@ -205,3 +205,24 @@ class QuerySpec:
     def rows_wanted(self, num_rows: int) -> int:
         """How many rows the top list holds for an index of `num_rows`: top_k, or all of them."""
         return num_rows if self.top_k == "all" else int(self.top_k)
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which column holds each part of a row (the `data.*_field` settings): a Hugging Face
+    dataset's `question`/`answer` columns are `Fields(prompt="question", completion="answer")`."""
+
+    prompt: str = "prompt"
+    completion: str = "completion"
+    messages: str = "messages"
+    text: str = "text"
+    id: str = "id"
+
+    @classmethod
+    def from_config(cls, data_cfg: Any) -> "Fields":
+        """From the `data.*_field` settings of a config's `data` section."""
+        return cls(**{f.name: str(data_cfg[f"{f.name}_field"]) for f in fields(cls)})
+
+    def row(self, raw: Dict[str, Any]) -> Dict[str, Any]:
+        """The row under gradian's names (prompt, completion, messages, text, id), nulls dropped."""
+        return {f.name: raw[col] for f in fields(self) if raw.get(col := getattr(self, f.name)) is not None}
