@@ -130,7 +130,10 @@ def format_set(rows: int, queries: int, seed: int, base_rows: int) -> Tuple[Rows
 def smollm2(rows: int, queries: int, seed: int, base_rows: int) -> Tuple[Rows, Rows, Rows]:
     """The copied benchmarks/lds_data fact set (its size is fixed: 80 rows, 24 queries); no base rows."""
     read = lambda name: [json.loads(line) for line in (HERE / "data" / name).read_text().splitlines()]  # noqa: E731
-    return read("fact.train.jsonl")[:rows], read("fact.queries.jsonl")[:queries], []
+    train = read("fact.train.jsonl")[:rows]
+    kept = {r["id"] for r in train}  # a smaller --smoke set keeps only the queries whose sources it holds
+    asked = [q for q in read("fact.queries.jsonl") if set(q.get("sources", [])) <= kept]
+    return train, asked[:queries], []
 
 
 GENERATORS = {"facts": facts, "shared": shared, "format": format_set, "smollm2": smollm2}
