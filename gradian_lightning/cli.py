@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from gradian_lightning.errors import GradianError
 
@@ -177,47 +177,57 @@ def main(argv: Optional[List[str]] = None) -> int:
         prog="gradian", description="Training-data attribution for causal LMs by gradient indexing."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    index = commands.add_parser("index", help="index the training data's per-example gradients")
-    index.add_argument("config", nargs="?", help="YAML config file (see configs/)")
-    index.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
-    index.set_defaults(run=_index)
-    plan = commands.add_parser(
-        "plan", help="predict peak memory and index size from the config and data, without loading weights"
+
+    def command(name: str, run: Any, help: str, config: str, example: str) -> argparse.ArgumentParser:
+        """A subcommand that takes an optional YAML file and key=value overrides, as most do."""
+        sub = commands.add_parser(name, help=help)
+        sub.add_argument("config", nargs="?", help=config)
+        sub.add_argument("overrides", nargs="*", help=f"key=value settings, e.g. {example}")
+        sub.set_defaults(run=run)
+        return sub
+
+    yaml = "YAML config file (see configs/)"
+    command("index", _index, "index the training data's per-example gradients", yaml, "grads.batch_size=2")
+    plan = command(
+        "plan",
+        _plan,
+        "predict peak memory and index size from the config and data, without loading weights",
+        yaml,
+        "grads.batch_size=2",
     )
-    plan.add_argument("config", nargs="?", help="YAML config file (see configs/)")
-    plan.add_argument("overrides", nargs="*", help="key=value settings, e.g. grads.batch_size=2")
     plan.add_argument(
         "--device-memory", help="memory to fit the batch in, e.g. 24GiB (default: the visible accelerator's)"
     )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.set_defaults(run=_plan)
-    doctor = commands.add_parser(
-        "doctor", help="report versions, devices, determinism and backends (Markdown; --json for JSON)"
+    doctor = command(
+        "doctor",
+        _doctor,
+        "report versions, devices, determinism and backends (Markdown; --json for JSON)",
+        "optional YAML config file, for the configured seed",
+        "grads.seed=1",
     )
-    doctor.add_argument("config", nargs="?", help="optional YAML config file, for the configured seed")
-    doctor.add_argument("overrides", nargs="*", help="key=value settings")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    doctor.set_defaults(run=_doctor)
-    query = commands.add_parser(
+    command(
         "query",
-        help="rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)",
+        _query,
+        "rank the indexed training rows for each query (query.data, query.top_k, query.score, query.output)",
+        "YAML config file (see configs/); index.path names the index",
+        "query.data=q.jsonl query.top_k=5",
     )
-    query.add_argument("config", nargs="?", help="YAML config file (see configs/); index.path names the index")
-    query.add_argument("overrides", nargs="*", help="key=value settings, e.g. query.data=q.jsonl query.top_k=5")
-    query.set_defaults(run=_query)
-    page = commands.add_parser(
-        "report", help="one static HTML page of a query run: top rows, opponents, percentiles, token shares"
+    command(
+        "report",
+        _report,
+        "one static HTML page of a query run: top rows, opponents, percentiles, token shares",
+        "YAML config file: the settings gradian query ran with",
+        "report.output=runs/report.html",
     )
-    page.add_argument("config", nargs="?", help="YAML config file: the settings gradian query ran with")
-    page.add_argument("overrides", nargs="*", help="key=value settings, e.g. report.output=runs/report.html")
-    page.set_defaults(run=_report)
-    check = commands.add_parser(
+    command(
         "validate",
-        help="measure the scores' Linear Datamodeling Score: retrain on random subsets, see if the query losses move as the scores say",
+        _validate,
+        "measure the scores' Linear Datamodeling Score: retrain on random subsets, see if the query losses move as the scores say",
+        "YAML config file (see configs/); validate.* sets the subsets",
+        "validate.num_subsets=24",
     )
-    check.add_argument("config", nargs="?", help="YAML config file (see configs/); validate.* sets the subsets")
-    check.add_argument("overrides", nargs="*", help="key=value settings, e.g. validate.num_subsets=24")
-    check.set_defaults(run=_validate)
     quick = commands.add_parser(
         "quickstart", help="the embedded default: fine-tune a tiny Llama on bundled data, index it, query it (offline)"
     )
