@@ -10,7 +10,9 @@ import lightning as L
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from gradian_lightning.recipes.quickstart import tiny_llama
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
 WORDS = (
@@ -43,21 +45,7 @@ def make_model(
     vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0, tie: bool = False
 ) -> LlamaForCausalLM:
     """A random-init Llama small enough to run per-example loops in a test."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(vocab_size, hidden, layers, seed, max_positions=128, tie=tie).eval()
 
 
 @pytest.fixture

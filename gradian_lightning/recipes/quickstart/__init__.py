@@ -57,8 +57,12 @@ def word_tokenizer(texts: Iterable[str], chat_template: str | None = None) -> An
     return tokenizer
 
 
-def tiny_llama(vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0) -> Any:
-    """A random-init `LlamaForCausalLM` (hidden 64, 2 layers: ~0.1M parameters plus embeddings)."""
+def tiny_llama(
+    vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0, max_positions: int = 64, tie: bool = False
+) -> Any:
+    """A random-init `LlamaForCausalLM` (by default hidden 64, 2 layers: ~0.1M parameters plus
+    embeddings), MLP width 2 × hidden, 4 heads over 2 key-value heads; the tests and benchmarks
+    build theirs here too."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -69,8 +73,8 @@ def tiny_llama(vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
