@@ -15,7 +15,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -188,24 +188,10 @@ def command_line() -> str:
 
 
 def tiny_llama(vocab_size: int = 2048, hidden: int = 128, layers: int = 4, seed: int = 0):
-    """A random-init Llama, the "tiny" benchmark model (float32, eval mode)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-init Llama, the "tiny" benchmark model (float32, eval mode), built as the quickstart builds its own."""
+    from gradian_lightning.recipes.quickstart import tiny_llama as build
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return build(vocab_size, hidden, layers, seed, max_positions=1024).eval()
 
 
 def smollm2(layers: Optional[int] = None):
@@ -247,6 +233,39 @@ def synthetic_examples(
         row = ids[i].tolist()
         out.append(Example(i, f"ex{i}", row, [IGNORE_INDEX] * prompt + row[prompt:], 0))
     return out
+
+
+def write_synthetic_index(
+    path: Path,
+    rows: int,
+    width: int,
+    generator: Any,
+    modules: int = 16,
+    scale_rows: bool = False,
+    each_chunk: Optional[Callable[[int, int, Any], None]] = None,
+) -> Any:
+    """A complete float16 index of `rows` × `width` N(0, 1) values in `modules` equal blocks, written
+    chunk by chunk through `IndexWriter`, as the query benchmarks read it; with `scale_rows` each row is
+    scaled by a U(0, 1) factor (so row norms differ). `each_chunk(lo, hi, values)` sees every chunk's
+    float32 values [hi - lo, width] as written. Returns the opened index."""
+    import torch
+
+    from gradian_lightning import open_index
+    from gradian_lightning.index.writer import IndexWriter
+
+    blocks = [{"name": f"m{i}", "offset": i * (width // modules), "size": width // modules} for i in range(modules)]
+    writer = IndexWriter(path, rows, width, "float16", {"fingerprint": "bench", "modules": blocks})
+    for lo in range(0, rows, writer.chunk):
+        hi = min(lo + writer.chunk, rows)
+        values = torch.randn(hi - lo, width, generator=generator)
+        if scale_rows:
+            values = values * torch.rand(hi - lo, 1, generator=generator)
+        ids = [str(i) for i in range(lo, hi)]
+        writer.write(range(lo, hi), values, torch.zeros(hi - lo), torch.ones(hi - lo), torch.zeros(hi - lo), ids)
+        if each_chunk is not None:
+            each_chunk(lo, hi, values)
+    assert writer.close()
+    return open_index(path)
 
 
 def fmt_bytes(n: float) -> str:

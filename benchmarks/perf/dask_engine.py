@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import bytes_on_disk, fmt_bytes, write_result
+from benchmarks.common import bytes_on_disk, fmt_bytes, write_result, write_synthetic_index
 
 
 def main() -> None:
@@ -47,34 +47,16 @@ def main() -> None:
     import torch
     from distributed import Client, LocalCluster
 
-    from gradian_lightning import open_index
-    from gradian_lightning.index.writer import IndexWriter
     from gradian_lightning.query.dask_engine import dask_topk
     from gradian_lightning.query.topk import streaming_topk
     from gradian_lightning.specs import QuerySpec
 
     torch.set_num_threads(args.threads)
-    modules = [{"name": f"m{i}", "offset": i * args.width // 16, "size": args.width // 16} for i in range(16)]
     raw_bytes = args.rows * args.width * 2
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
         generator = torch.Generator().manual_seed(0)
-        writer = IndexWriter(
-            tmp / "index", args.rows, args.width, "float16", {"fingerprint": "bench", "modules": modules}
-        )
-        for lo in range(0, args.rows, writer.chunk):
-            hi = min(lo + writer.chunk, args.rows)
-            rows = torch.randn(hi - lo, args.width, generator=generator) * torch.rand(hi - lo, 1, generator=generator)
-            writer.write(
-                range(lo, hi),
-                rows,
-                torch.zeros(hi - lo),
-                torch.ones(hi - lo),
-                torch.zeros(hi - lo),
-                [str(i) for i in range(lo, hi)],
-            )
-        assert writer.close()
-        index = open_index(tmp / "index")
+        index = write_synthetic_index(tmp / "index", args.rows, args.width, generator, scale_rows=True)
         queries = torch.randn(args.queries, args.width, generator=generator)
 
         start = time.perf_counter()

@@ -14,8 +14,8 @@ where the fp32 logits are min(supervised, N) × vocab × 4 bytes. A second, inst
 the largest fp32 [.., vocab] tensor created. Time: the median of 3 timed steps after a warm-up, in
 the same child; the time ratio is chunked / gathered at the same batch.
 
-    PYTHONPATH=. python -m benchmarks.loss_chunking
-    PYTHONPATH=. python -m benchmarks.loss_chunking --smoke --out /tmp/x
+    PYTHONPATH=. python -m benchmarks.perf.loss_chunking
+    PYTHONPATH=. python -m benchmarks.perf.loss_chunking --smoke --out /tmp/x
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ peak RSS above the starting RSS is read back. Three variants:
 [.., vocab] tensor that the variant creates, to check it against batch × supervised × vocab × 4.
 The naive loss does not depend on the supervised fraction, so it runs once per (batch, sequence).
 
-    PYTHONPATH=. python -m benchmarks.loss_memory
-    PYTHONPATH=. python -m benchmarks.loss_memory --smoke --out /tmp/x
+    PYTHONPATH=. python -m benchmarks.perf.loss_memory
+    PYTHONPATH=. python -m benchmarks.perf.loss_memory --smoke --out /tmp/x
 """
 
 from __future__ import annotations
