@@ -82,3 +82,20 @@ def test_the_report_renders_in_a_real_browser(reported, tmp_path):
     shaded = re.findall(r'class="tok" data-term="([-0-9.e+]+)"', dom)
     assert len(shaded) >= 2 * len(results)
     assert "<svg" in dom and 'class="histogram"' in dom
+
+
+def test_the_title_names_the_model_and_index_by_their_folders_not_machine_paths(reported, saved_model, tmp_path):
+    page, _ = reported
+    title = re.search(r"<title>(.*?)</title>", page.read_text()).group(1)
+    heading = re.search(r"<h1>(.*?)</h1>", page.read_text()).group(1)
+    assert title == heading == f"gradian report: {saved_model.name}, index ix"
+    assert "/" not in title  # no folder of this machine
+
+
+def test_page_title_keeps_a_hub_name_and_shortens_local_paths(tmp_path):
+    from gradian_lightning.recipes.report import page_title
+
+    assert page_title("HuggingFaceTB/SmolLM2-135M-Instruct", "s3://bucket/runs/ix/") == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct, index ix"
+    )
+    assert page_title(str(tmp_path / "my-model") + "/", str(tmp_path / "ix")) == "my-model, index ix"

@@ -12,6 +12,7 @@ token's share of the score (query/token_scores.py). docs/report.md explains ever
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -98,12 +99,24 @@ def report_data(
         )
     return {
         "index": str(index.path),
+        "title": page_title((index.meta.get("model") or {}).get("name_or_path"), str(index.path)),
         "rows": len(index),
         "scoring": scoring,
         "token_note": token_note,
         "checkpoint_steps": sorted(by_checkpoint),
         "queries": pages,
     }
+
+
+def page_title(model: Optional[str], index_path: str) -> str:
+    """The page's title: the model by its hub name, or a local model by its folder's name, then the
+    index by its folder's (or URL's) last part. The stored paths are absolute and name this machine's
+    folders, which mean nothing to whoever the page is sent to."""
+    name = str(model or "")
+    local = name.startswith(("/", "~", ".")) or Path(os.path.expanduser(name)).exists()
+    shown = Path(name.rstrip("/")).name if local else name
+    where = index_path.rstrip("/").rsplit("/", 1)[-1]
+    return f"{shown or 'model'}, index {where}"
 
 
 def write_report(path: str | Path, data: Dict[str, Any]) -> Path:

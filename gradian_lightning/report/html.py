@@ -123,8 +123,8 @@ def render(report: Dict[str, Any]) -> str:
         )
     how = esc(report["scoring"])
     return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>gradian report</title>'
-        f"<style>{STYLE}</style></head><body><h1>gradian report: {esc(report['index'])}</h1>"
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>gradian report: {esc(report["title"])}</title>'
+        f"<style>{STYLE}</style></head><body><h1>gradian report: {esc(report['title'])}</h1>"
         f'<p class="meta">{len(report["queries"])} queries against {report["rows"]} training rows. Scores: {how}. '
         "Percentile: the share of the query's ranked rows that score below the row. "
         + (
