@@ -126,3 +126,22 @@ def test_not_an_index_or_wrong_version(tmp_path):
     group.attrs["gradian"] = {**group.attrs["gradian"], "format_version": 99}
     with pytest.raises(IndexFormatError, match="format version 99"):
         open_index(tmp_path / "ix")
+
+
+@pytest.mark.parametrize("chosen", [None, "3"])
+def test_writing_uses_one_zarr_thread_unless_the_user_chose(tmp_path, chosen):
+    # zarr's default thread pool fragments glibc's per-thread arenas: the writer's RSS grew with
+    # the rows (benchmarks/RESULTS.md §9). A fresh process, since zarr's config is process-wide.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import zarr; from gradian_lightning.index.location import Location; "
+        f"Location({str(tmp_path / 'idx')!r}).open_group('w'); print(zarr.config.get('threading.max_workers'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ZARR_THREADING__MAX_WORKERS"}
+    if chosen:
+        env["ZARR_THREADING__MAX_WORKERS"] = chosen
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == (chosen or "1")

@@ -57,6 +57,20 @@ def missing_filesystem(protocol: str) -> Optional[str]:
         return known_implementations.get(protocol, {}).get("err") or f"its filesystem does not import ({err})"
 
 
+def one_zarr_thread() -> None:
+    """Make zarr encode and write chunks on one thread, unless the user chose a number
+    (`zarr.config` "threading.max_workers", or ZARR_THREADING__MAX_WORKERS).
+
+    By default zarr runs each chunk's codec and local file write on asyncio's thread pool
+    (min(32, cores + 4) threads). glibc gives each thread a malloc arena of its own, and buffers made
+    on one thread and freed on another fragment them: an index writer's peak RSS grew by about
+    100 bytes a row (1.31x from 10^4 to 10^6 rows; benchmarks/RESULTS.md §9). The writer flushes
+    one chunk at a time, so the other threads bought no speed there.
+    """
+    if zarr.config.get("threading.max_workers", None) is None:
+        zarr.config.set({"threading.max_workers": 1})
+
+
 class Location:
     """`index.path` resolved once: a local directory or a URL, and the zarr group there.
 
@@ -92,6 +106,8 @@ class Location:
 
     def open_group(self, mode: str = "r") -> zarr.Group:
         """The zarr group here; `mode` as zarr's: "r" read, "r+" update, "w" create (replacing)."""
+        if mode != "r":
+            one_zarr_thread()
         return zarr.open_group(self.store(read_only=mode == "r"), mode=mode)
 
     def _filesystem(self) -> Tuple[Any, str]:
