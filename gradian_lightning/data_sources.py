@@ -10,7 +10,8 @@ A source is any of:
 
 `datasets` reads files into memory-mapped arrow tables (its cache), so a source of any size costs
 the same memory: rows are taken one at a time as the data loader asks for them and tokenised then
-(`data.TokenizedRows`). Columns named otherwise are mapped by `data.Fields` (`data.prompt_field`
+(`data.TokenizedRows`). `gradian index` reads them through `StreamedRows`, with plain reads, since
+every page read through a memory map stays in the process's RSS. Columns named otherwise are mapped by `data.Fields` (`data.prompt_field`
 ...). The checks here read the schema and, batch by batch, the id column: one line of error before
 a model loads, whatever the source's size.
 
@@ -40,7 +41,7 @@ BUILDERS = {
     ".tsv": "csv",
 }
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".zstd")
-ID_BATCH = 65536  # ids read per batch by the repeated-id check: its memory, whatever the rows
+ID_BATCH = 8192  # ids read per batch by the repeated-id check: its memory (~1 MB), whatever the rows
 
 
 def builder_of(path: Path) -> Optional[str]:
@@ -135,12 +136,17 @@ def _load(read: Any, source: Any, key: str) -> Any:
 
 def _load_file(path: Path, builder: str, key: str) -> Any:
     import datasets
+    import pyarrow
 
     try:
         if builder == "arrow":  # memory-mapped where it lies, no copy into the cache
             return datasets.Dataset.from_file(str(path))
         options = {"delimiter": "\t"} if builder == "csv" and ".tsv" in [s.lower() for s in path.suffixes] else {}
-        return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+        # A first read converts the file to arrow; arrow's allocator keeps the pages it freed
+        # (40 MB of 10^5 JSONL rows) unless told to give them back.
+        pyarrow.default_memory_pool().release_unused()
+        return dataset
     except Exception as err:
         if builder == "json" and not path.name.lower().endswith(COMPRESSIONS):
             read_jsonl(path)  # a bad line: raises DataError with its number and what is wrong
@@ -248,6 +254,9 @@ def id_hashes(batches: Iterator[Sequence[Any]], total: int) -> np.ndarray:
 def first_repeat(hashes: np.ndarray, id_at: Any) -> Optional[Tuple[int, int]]:
     """(earlier, later) positions of the first repeated id in `hashes` (`id_hashes`), ordered by
     the later row, or None. `id_at(position)` gives an id's string, to rule out hash collisions."""
+    ranked = np.sort(hashes)  # no repeat, the common case, costs this one copy (8 bytes a row)
+    if not np.any((ranked[1:] == ranked[:-1]) & (ranked[1:] != -1)):
+        return None
     order = np.argsort(hashes, kind="stable")
     ranked = hashes[order]
     same = np.flatnonzero((ranked[1:] == ranked[:-1]) & (ranked[1:] != -1))
@@ -341,3 +350,69 @@ def indexed_rows(meta: Dict[str, Any], fields: Fields, train: Any = None) -> Tup
             )
         parts.append((int(segment["offset"]), dataset))
     return IndexedRows(parts, fields), ""
+
+
+class StreamedRows:
+    """The rows of a `datasets.Dataset` that is exactly its arrow files, read forward one record
+    batch at a time with plain file reads: `rows[i]` is the dict `dataset[i]` is.
+
+    `datasets` memory-maps its arrow files, and every page read through a map stays in the
+    process's RSS while the map is open: indexing 10^6 short rows held the whole 57 MB file there,
+    past the 10% that peak RSS may grow from 10^4 rows (benchmarks/RESULTS.md §9). The loader asks
+    for rows in increasing order (every W-th under a distributed sampler), so one batch is held at a
+    time; asking for an earlier row (a sampler's padding at the end) reads the files again from the
+    start. Built by `streamed_rows`.
+    """
+
+    def __init__(self, files: Sequence[str], features: Any, num_rows: int) -> None:
+        from datasets.formatting import PythonFormatter
+
+        self.files, self.num_rows = list(files), num_rows
+        self._format = PythonFormatter(features=features)
+        self._batches: Optional[Iterator[Any]] = None
+        self._batch, self._start = None, 0  # the record batch held and the position of its first row
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def _read(self) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for name in self.files:
+            with pa.OSFile(name) as source:
+                yield from pa.ipc.open_stream(source)
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        i = int(i)
+        if not 0 <= i < self.num_rows:
+            raise IndexError(f"row {i} of {self.num_rows}")
+        if self._batch is None or i < self._start:
+            self._batches, self._batch, self._start = self._read(), None, 0
+        while self._batch is None or i >= self._start + self._batch.num_rows:
+            if self._batch is not None:
+                self._start += self._batch.num_rows
+            self._batch = next(self._batches)
+        import pyarrow as pa
+
+        return self._format.format_row(pa.Table.from_batches([self._batch.slice(i - self._start, 1)]))
+
+
+def streamed_rows(dataset: Any) -> Any:
+    """`StreamedRows` of `dataset` when it is exactly the arrow files it was read from (no
+    selection or order of its own, no output format), else `dataset` itself, read through its map.
+
+    The caller drops its own reference to `dataset`, so that the map closes and its pages leave RSS."""
+    import pyarrow as pa
+
+    files = [entry["filename"] for entry in dataset.cache_files]
+    if not files or dataset._indices is not None or dataset.format["type"] is not None:
+        return dataset
+    rows = 0
+    for name in files:
+        with pa.OSFile(name) as source:
+            reader = pa.ipc.open_stream(source)
+            if not reader.schema.equals(dataset.data.schema, check_metadata=False):
+                return dataset  # columns selected or cast after reading: the files hold others
+            rows += sum(batch.num_rows for batch in reader)  # one read of the files, a batch at a time
+    # A contiguous `select` slices the table and keeps the files: then the counts differ.
+    return StreamedRows(files, dataset.features, rows) if rows == len(dataset) else dataset

@@ -12,7 +12,7 @@ from conftest import ROWS, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.data import Fields
-from gradian_lightning.data_sources import first_repeat, id_hashes, open_rows
+from gradian_lightning.data_sources import StreamedRows, first_repeat, id_hashes, open_rows, streamed_rows
 from gradian_lightning.errors import DataError
 from gradian_lightning.recipes.index import run_index
 
@@ -127,3 +127,34 @@ def test_repeated_ids_are_found_by_their_hashes_not_guessed():
     assert first_repeat(id_hashes(iter([ids]), len(ids)), lambda i: str(ids[i])) == (2, 3)
     colliding = np.array([5, 5, 5], dtype=np.int64)  # one hash, three different ids: no repeat
     assert first_repeat(colliding, lambda i: "abc"[i]) is None
+
+
+def test_streamed_rows_are_the_datasets_rows_in_any_order_the_loader_asks(tmp_path):
+    # Two arrow files of 4-row record batches, with a chat column: every row read forward, strided
+    # (a distributed sampler) and backwards (its padding) must be the dict datasets gives for it.
+    rows = [{**r, "id": f"r{i}"} for i, r in enumerate(ROWS * 3)]
+    half = len(rows) // 2
+    parts = [
+        as_dataset(part).map(lambda r: r, cache_file_name=str(tmp_path / f"{i}.arrow"), writer_batch_size=4)
+        for i, part in enumerate((rows[:half], rows[half:]))
+    ]
+    dataset = datasets.concatenate_datasets(parts)
+    assert len(dataset.cache_files) == 2 and len(dataset.data.to_batches()) > 4
+    streamed = streamed_rows(dataset)
+    assert isinstance(streamed, StreamedRows) and len(streamed) == len(dataset)
+    order = [*range(len(dataset)), *range(1, len(dataset), 3), *reversed(range(len(dataset)))]
+    assert [streamed[i] for i in order] == [dataset[i] for i in order]
+
+
+def test_a_dataset_that_is_not_its_files_is_read_as_it_is(tmp_path):
+    rows = [{**r, "id": f"r{i}"} for i, r in enumerate(ROWS * 2)]
+    as_dataset(rows).save_to_disk(str(tmp_path / "saved"))
+    dataset = datasets.load_from_disk(str(tmp_path / "saved"))
+    for view in (
+        dataset.shuffle(seed=0),  # an indices mapping
+        dataset.select(range(2, 5)),  # a contiguous slice of the same file
+        dataset.select_columns(["id", "text"]),  # fewer columns than the file holds
+        dataset.with_format("numpy"),
+        as_dataset(rows),  # in memory: no files
+    ):
+        assert streamed_rows(view) is view

@@ -79,8 +79,18 @@ def raises_of_other_types() -> List[Tuple[str, str, int]]:
                     makers.add(fn.name)
     offenders = []
     for path, tree in _trees():
+        # The sequence protocol: `__getitem__` ends iteration with IndexError, never shown to a user.
+        protocol = {
+            id(node)
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef) and fn.name == "__getitem__"
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and _call_name(node.exc) == "IndexError"
+        }
         for node in ast.walk(tree):
-            if isinstance(node, ast.Raise) and node.exc is not None:  # a bare `raise` re-raises what it caught
+            if (
+                isinstance(node, ast.Raise) and node.exc is not None and id(node) not in protocol
+            ):  # bare `raise` re-raises
                 name = _call_name(node.exc) if isinstance(node.exc, ast.Call) else ast.unparse(node.exc)
                 if name not in types and name not in makers:
                     offenders.append((name, path, node.lineno))

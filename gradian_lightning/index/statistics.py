@@ -117,6 +117,9 @@ def whiten(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return torch.einsum("nmi,mij->nmj", rows.reshape(len(rows), m, s), factors).reshape(len(rows), m * s)
 
 
+ADD_ROWS = 4096  # rows RowStatistics.add converts to float64 at once
+
+
 @dataclass
 class RowStatistics:
     """Sums over counted rows. `count` rows; `sumsq` float64 [D]; `gram` float64 [M, s, s] or None."""
@@ -133,18 +136,19 @@ class RowStatistics:
 
     def add(self, rows: torch.Tensor) -> None:
         """Add rows [n, D] (the counted ones only: the caller drops empty and non-finite rows)."""
-        if len(rows) == 0:
-            return
-        rows = rows.detach().to(torch.float64)
-        self.count += len(rows)
-        self.sumsq += rows.square().sum(dim=0).numpy()
-        if self.gram is not None:
-            # Into the gram in place, a module at a time: an einsum over all modules would make a
-            # temporary of the gram's size (47 MB for the MLP at k = 16) at every flush.
-            gram, size = torch.from_numpy(self.gram), self.gram.shape[1]
-            for m in range(len(gram)):
-                block = rows[:, m * size : (m + 1) * size]
-                gram[m].addmm_(block.T, block)
+        # ADD_ROWS rows at a time: a chunk of narrow rows holds 65,536 of them, and its float64
+        # copy and squares whole were 40 MB of temporaries at every flush (benchmarks/RESULTS.md §9).
+        for lo in range(0, len(rows), ADD_ROWS):
+            part = rows[lo : lo + ADD_ROWS].detach().to(torch.float64)
+            self.count += len(part)
+            self.sumsq += part.square().sum(dim=0).numpy()
+            if self.gram is not None:
+                # Into the gram in place, a module at a time: an einsum over all modules would make a
+                # temporary of the gram's size (47 MB for the MLP at k = 16) at every flush.
+                gram, size = torch.from_numpy(self.gram), self.gram.shape[1]
+                for m in range(len(gram)):
+                    block = part[:, m * size : (m + 1) * size]
+                    gram[m].addmm_(block.T, block)
 
     def __add__(self, other: "RowStatistics") -> "RowStatistics":
         gram = None if self.gram is None or other.gram is None else self.gram + other.gram

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
 from gradian_lightning.data import Fields, TokenizedRows, collate
-from gradian_lightning.data_sources import describe_source, index_segments, open_rows
+from gradian_lightning.data_sources import describe_source, index_segments, open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
 from gradian_lightning.index.layout import stored_meta
@@ -143,6 +143,9 @@ def run_index(
         "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
         "data": data_meta(cfg, source, rows),
     }
+    # Read forward with plain reads from here, and this Dataset's memory map closes with it: every
+    # page read through a map stays in RSS (data_sources.StreamedRows).
+    rows = streamed_rows(rows)
     # Appended rows without an id are numbered on from the index's rows (index/writer.py).
     first_id = appended_after(str(cfg.index.path), meta["data"]) if cfg.index.append else 0
     # Steps and learning rates of model.checkpoints: a bad list fails before any model loads.
