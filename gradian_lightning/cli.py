@@ -112,7 +112,7 @@ def _query(args: argparse.Namespace) -> None:
     _print_query_table(answer["results"], answer["queries"], answer["train_rows"])
     where = f"; written to {cfg.query.output}" if cfg.query.output else " (set query.output=FILE.jsonl to keep them)"
     print(
-        f"\ngradian query: {len(answer['results'])} queries ranked against {_rows_ranked(answer)} of {cfg.index.path} by {cfg.query.score}{' (per module)' if cfg.query.score == 'cosine' and cfg.query.normalize == 'module' else ''} score, precondition {answer['precondition']}, on {answer['device']}{where}"
+        f"\ngradian query: {len(answer['results'])} queries ranked against {_rows_ranked(answer)} of {cfg.index.path} by {answer['scoring']}, on {answer['device']}{where}"
     )
 
 

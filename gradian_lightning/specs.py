@@ -24,9 +24,9 @@ RECOMPUTE = ("mlp", "layers", "none")
 # (capture.py), whatever an architecture calls them. Measured best (benchmarks/RANKING.md).
 DEFAULT_MODULE_FILTER = ("mlp",)
 SCORES = ("cosine", "inner")
-NORMALIZE = ("module", "row")
-# auto: fisher where the index kept the k²×k² second moments and counted at least 4·k² rows, ekfac
-# below that, diag where it kept none (query/precondition.py; benchmarks/RANKING.md, issue 21).
+NORMALIZE = ("auto", "module", "row")
+# auto: fisher where the index kept the k²×k² second moments and counted at least k² rows, ekfac
+# below that, diag where it kept none (query/precondition.py; the N sweep of benchmarks/studies/lds_sets).
 PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
 DEFAULT_DAMPING = 1.0
 
@@ -160,7 +160,8 @@ class QuerySpec:
     top_k: rows kept per query, best first; "all" scores every row (what `gradian validate` needs).
     bottom_k: the most negative rows kept per query ("opponents"); 0 = none.
     score: "cosine" or "inner" (dot product, after the preconditioner).
-    normalize: what cosine scales to unit norm: "module" (each module's block) or "row".
+    normalize: what cosine scales to unit norm: "module" (each module's block), "row", or "auto":
+        row where the preconditioner is fisher, module otherwise (query/precondition.py: why).
     precondition: "auto", "none", "diag", "fisher" or "ekfac" (query/precondition.py).
     damping: added to the preconditioner, relative to the mean eigenvalue of each module's second moment.
     checkpoints: "all", "last" or a list of steps: whose scores are summed (index/checkpoints.py).
@@ -169,7 +170,7 @@ class QuerySpec:
     top_k: Any = 10
     bottom_k: int = 0
     score: str = "cosine"
-    normalize: str = "module"
+    normalize: str = "auto"
     precondition: str = "auto"
     damping: float = DEFAULT_DAMPING
     checkpoints: Any = "all"

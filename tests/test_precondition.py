@@ -10,6 +10,7 @@ import zarr
 from gradian_lightning import open_index
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query.precondition import resolved_spec
 from gradian_lightning.query.topk import uses_whitened_norms
 from gradian_lightning.specs import DEFAULT_DAMPING, QuerySpec
 
@@ -80,7 +81,9 @@ def test_precondition_equals_dense_float64(tmp_path, how):
         atol=1e-4 * np.abs(inner).max(),
     )
     modcos = sum(cross / np.sqrt(qq[:, None] * tt[None, :]) for cross, qq, tt in metric) / len(MODULES)
-    np.testing.assert_allclose(all_scores(index, queries, precondition=how, damping=0.1), modcos, atol=2e-5)
+    np.testing.assert_allclose(
+        all_scores(index, queries, normalize="module", precondition=how, damping=0.1), modcos, atol=2e-5
+    )
     # and it is not the identity: preconditioning changes these scores
     assert np.abs(all_scores(index, queries, precondition="none") - modcos).max() > 0.05
 
@@ -155,19 +158,24 @@ def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(
         all_scores(wide, queries, precondition="fisher")
 
 
-def test_auto_leaves_fisher_to_indexes_with_many_more_rows_than_its_dimensions(tmp_path):
-    """Below FISHER_ROWS_PER_DIMENSION × k² counted rows F is mostly damping: auto scores as AUTO_FEW_ROWS does."""
+def test_auto_leaves_fisher_to_indexes_with_at_least_as_many_rows_as_its_dimensions(tmp_path):
+    """Below FISHER_ROWS_PER_DIMENSION × k² counted rows F is mostly damping: auto scores as
+    AUTO_FEW_ROWS does, with per-module cosine; from that many, as fisher does, with a whole-row cosine."""
     from gradian_lightning.query.precondition import AUTO_FEW_ROWS, FISHER_ROWS_PER_DIMENSION, resolve
 
-    few = 4 * S - 1
-    assert FISHER_ROWS_PER_DIMENSION == 4 and few < N
-    index = make_index(tmp_path / "few", random_rows(few, 0))
+    assert FISHER_ROWS_PER_DIMENSION == 1 and AUTO_FEW_ROWS != "fisher"
     queries = random_rows(5, 1)
-    assert resolve(index, "auto") == AUTO_FEW_ROWS != "fisher"
-    np.testing.assert_array_equal(
-        all_scores(index, queries, precondition="auto", damping=1.0),
-        all_scores(index, queries, precondition=AUTO_FEW_ROWS, damping=1.0),
-    )
+    for rows, used, normalize in ((S - 1, AUTO_FEW_ROWS, "module"), (S, "fisher", "row")):
+        index = make_index(tmp_path / f"rows{rows}", random_rows(rows, 0))
+        assert resolve(index, "auto") == used
+        assert resolved_spec(index, QuerySpec()) == QuerySpec(precondition=used, normalize=normalize)
+        np.testing.assert_array_equal(
+            all_scores(index, queries, damping=1.0),
+            all_scores(index, queries, precondition=used, normalize=normalize, damping=1.0),
+        )
+    # An explicit normalize is kept whatever the preconditioner.
+    assert resolved_spec(index, QuerySpec(normalize="module")).normalize == "module"
+    assert resolved_spec(index, QuerySpec(precondition="diag")).normalize == "module"
 
 
 @pytest.mark.parametrize("score,normalize", [("cosine", "module"), ("cosine", "row"), ("inner", "module")])
@@ -237,7 +245,9 @@ def test_fisher_without_the_cached_eigendecomposition_still_equals_dense_float64
     index = open_index(tmp_path / "ix")
     metric = dense_metric(train, queries, "fisher", 0.1)
     modcos = sum(cross / np.sqrt(qq[:, None] * tt[None, :]) for cross, qq, tt in metric) / len(MODULES)
-    np.testing.assert_allclose(all_scores(index, queries, precondition="fisher", damping=0.1), modcos, atol=2e-5)
+    np.testing.assert_allclose(
+        all_scores(index, queries, precondition="fisher", normalize="module", damping=0.1), modcos, atol=2e-5
+    )
     inner = sum(cross for cross, _, _ in metric)  # not scale-free, unlike cosine: F must be the mean, not the sum
     np.testing.assert_allclose(
         all_scores(index, queries, score="inner", precondition="fisher", damping=0.1),

@@ -112,7 +112,7 @@ def test_inner_and_cosine_on_hand_built_rows(tmp_path):
         index.topk(torch.ones(1, 3), 1)
     with pytest.raises(ConfigError, match="query.score"):
         index.topk(query, 1, score="dot")
-    with pytest.raises(ConfigError, match="'query.normalize'='layer' is not allowed; use module or row"):
+    with pytest.raises(ConfigError, match="'query.normalize'='layer' is not allowed; use auto or module or row"):
         index.topk(query, 1, normalize="layer")
 
 
@@ -231,7 +231,9 @@ def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, c
     ids = [str(r.get("id", i)) for i, r in enumerate(ROWS)]
     assert [r["query_id"] for r in results] == ids  # the row without an id falls back to its position
     for position, result in enumerate(results):
-        assert set(result) == {"query_id", "results", "opponents"}
+        assert set(result) == {"query_id", "results", "opponents", "scoring"}
+        # 3 rows < k² = 64 counted rows: auto is ekfac, whose normalize=auto is per module
+        assert result["scoring"] == "per-module cosine (mean over modules), preconditioner ekfac (damping 1.0)"
         assert [h["rank"] for h in result["results"]] == [1, 2, 3] and [h["rank"] for h in result["opponents"]] == [
             1,
             2,

@@ -23,7 +23,7 @@ import torch
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.index.layout import decode, module_blocks
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.precondition import Preconditioner
+from gradian_lightning.query.precondition import Preconditioner, resolved_spec
 from gradian_lightning.query.topk import Ranking, prepare_queries, score_chunk
 from gradian_lightning.specs import QuerySpec
 
@@ -105,6 +105,7 @@ def dask_topk(
     import dask.array as da
 
     check_workers_can_open(index)
+    spec = resolved_spec(index, spec)
     k, bottom_k = spec.rows_wanted(len(index)), spec.bottom_k
     queries, transform = prepare_queries(index, query_rows.cpu(), spec, "cpu")
     blocks = module_blocks(index.meta)

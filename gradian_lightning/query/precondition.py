@@ -7,9 +7,9 @@ training rows alike before they are scored.
     ekfac   the same with F_m kept only on the diagonal of the Kronecker basis of its two partial
             traces (eigenvalue-corrected Kronecker factors, in the projected space): k² numbers a
             module instead of k⁴, so few rows estimate it (statistics.kronecker_whitening_factor)
-    auto    fisher where the index keeps F (equal blocks of k² <= 1024) from at least 4 k² counted
-            rows, ekfac where it keeps F from fewer, diag where it keeps no F (issue 21's LDS sets
-            and issue 10's grid, benchmarks/RANKING.md); `resolve` names the one it picks
+    auto    fisher where the index keeps F (equal blocks of k² <= 1024) from at least k² counted
+            rows, ekfac where it keeps F from fewer, diag where it keeps no F (the N sweep of
+            benchmarks/studies/lds_sets and issue 10's grid); `resolve` names the one it picks
 
 λ = `damping` × the mean eigenvalue of that module's second moment (for diag: the mean of its
 m_j). Whitening both sides makes the inner product qᵀ(F + λI)⁻¹r, and per-module cosine then
@@ -22,6 +22,7 @@ left as it is. The result is always finite for finite input.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -37,6 +38,7 @@ from gradian_lightning.index.statistics import (
     whiten,
     whitening_factors,
 )
+from gradian_lightning.specs import QuerySpec
 
 # λ relative to the mean eigenvalue when the setting is 0: small enough to keep the whitening,
 # large enough that float32 rows times (w + λ)^-½ cannot overflow.
@@ -71,12 +73,11 @@ def _damping(damping: float) -> float:
 
 
 # Counted rows per dimension of a module's k²×k² second moment before `auto` trusts fisher with it.
-# With fewer, most of F's directions are set by the damping: fisher had the worst LDS of the
-# preconditioners on the LDS sets (worst cell 0.22, 80 rows at k² = 256). Below that, ekfac, which
-# needs k² numbers a module where fisher needs k⁴: by the worse of LDS and planted-source MRR it
-# led diag on 4 of the 6 LDS cells and on every planted-source kind, and tied its worst LDS cell
-# (0.272 against 0.273) (benchmarks/RANKING.md, issue 21: EK-FAC in the projected space).
-FISHER_ROWS_PER_DIMENSION = 4
+# The N sweep of benchmarks/studies/lds_sets (k = 16, k² = 256): from 256 rows (1 per dimension)
+# up, fisher's raw LDS was at or above ekfac's on every set (facts 256-4096, format, shared); at 80
+# rows (SmolLM2, 0.3 per dimension) F is mostly damping and ekfac led (+0.401 against +0.355).
+# ekfac needs k² numbers a module where fisher needs k⁴.
+FISHER_ROWS_PER_DIMENSION = 1
 AUTO_FEW_ROWS = "ekfac"
 
 
@@ -99,6 +100,21 @@ def resolve(index: IndexReader, precondition: str) -> str:
         return "diag"
     rows = counted_rows(index)
     return "fisher" if rows is not None and rows >= FISHER_ROWS_PER_DIMENSION * size else AUTO_FEW_ROWS
+
+
+def resolved_spec(index: IndexReader, spec: QuerySpec) -> QuerySpec:
+    """`spec` with each "auto" replaced by what it means for `index`: the preconditioner
+    (`resolve`), and for query.normalize=auto a whole-row cosine under fisher, per-module otherwise.
+
+    Whitened by the full F, modules are on one scale and a whole-row cosine lets the modules that
+    moved most weigh most: it led per-module cosine under fisher on 5 of 7 LDS sets (format +0.101
+    against +0.080, facts-4096 +0.039 against +0.024). Under ekfac, diag or none, module scales
+    differ and per-module cosine keeps one from outvoting the rest (SmolLM2: +0.401 against +0.365)."""
+    precondition = resolve(index, spec.precondition)
+    normalize = spec.normalize
+    if normalize == "auto":
+        normalize = "row" if precondition == "fisher" else "module"
+    return replace(spec, precondition=precondition, normalize=normalize)
 
 
 def preconditioner(index: IndexReader, precondition: str, damping: float) -> Optional[Preconditioner]:
@@ -138,3 +154,14 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
         )
     factors = whitening_factors(w, v, damping, kronecker=precondition == "ekfac")
     return Preconditioner(factors=torch.from_numpy(factors))
+
+
+def scoring_words(spec: QuerySpec) -> str:
+    """How a spec resolved for its index (`resolved_spec`) scores, in the words the query's summary
+    line and the report's header use: e.g. "whole-row cosine, preconditioner fisher (damping 1.0)"."""
+    kind = {
+        "cosine": "per-module cosine (mean over modules)" if spec.normalize == "module" else "whole-row cosine",
+        "inner": "inner product",
+    }[spec.score]
+    damping = "" if spec.precondition == "none" else f" (damping {spec.damping})"
+    return f"{kind}, preconditioner {spec.precondition}{damping}"

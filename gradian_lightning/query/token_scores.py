@@ -27,6 +27,7 @@ from gradian_lightning.gradients.batch import BATCH_KEYS, GradientRows
 from gradian_lightning.hub import pad_token_id
 from gradian_lightning.index.layout import module_blocks
 from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.precondition import resolved_spec
 from gradian_lightning.query.rows import index_gradient_rows, query_gradients
 from gradian_lightning.query.topk import prepare_queries
 from gradian_lightning.specs import QuerySpec
@@ -101,7 +102,7 @@ def query_token_scores(
     """
     if query_row is None:
         query_row = query_gradients(index, model, tokenizer, [query])[0]
-    spec = spec or QuerySpec()
+    spec = resolved_spec(index, spec or QuerySpec())
     queries, transform = prepare_queries(index, query_row[None], spec, "cpu")
     score, normalize = spec.score, spec.normalize
     blocks = module_blocks(index.meta)

@@ -25,7 +25,7 @@ from gradian_lightning.errors import IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import decode, equal_block_size, module_blocks, module_norms
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve
+from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve, resolved_spec
 from gradian_lightning.specs import QuerySpec, spec_from_arguments
 
 # Scores held before they are merged into the running top-k: [Q, 4096] float32 is 16 KiB a query.
@@ -96,6 +96,7 @@ def prepare_queries(
         )
     device = torch.device(device) if device is not None else query_rows.device
     queries = query_rows.detach().to(device=device, dtype=torch.float32)
+    spec = resolved_spec(index, spec)
     transform = preconditioner(index, spec.precondition, spec.damping)
     if transform is not None:
         transform = transform.to(device)
@@ -135,6 +136,8 @@ def score_chunk(
     `whitened_norms=True`), which spare cosine its norm pass; ignored under a preconditioner,
     whose rows have other norms. Both engines, local and Dask, score with this one function.
     """
+    # An invariant of the callers, not a user's input: they resolve "auto" for their index first.
+    assert "auto" not in (spec.normalize, spec.precondition), "resolve the spec first (precondition.resolved_spec)"
     score = spec.score
     if transform is not None:
         rows, norms = transform(rows), None
@@ -164,6 +167,7 @@ def _scored_chunks(
     with a rankable row: each chunk read once (ahead, on a worker thread), decoded into one reused
     buffer and scored as one matmul per checkpoint, the checkpoints' scores weighted and summed.
     The one scoring loop of `streaming_topk` and `score_all`; their arguments are its own."""
+    spec = resolved_spec(index, spec)  # one meaning of "auto" for every checkpoint: they count the same rows
     if isinstance(query_rows, torch.Tensor):
         chosen = [(index, query_rows, 1.0)]
     else:

@@ -25,7 +25,7 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
-from gradian_lightning.query.precondition import resolve
+from gradian_lightning.query.precondition import resolved_spec, scoring_words
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
 from gradian_lightning.query.topk import Index, Ranking, score_all, streaming_topk
@@ -36,7 +36,8 @@ from gradian_lightning.specs import IndexSpec, QuerySpec, field_names
 def results_for(
     index: IndexReader, query_ids: Sequence[str], top: Ranking, bottom: Optional[Ranking] = None
 ) -> List[Dict[str, Any]]:
-    """One JSON-ready dict per query: {"query_id", "results": [{"rank", "id", "index", "score"}], "opponents"?}.
+    """One JSON-ready dict per query: {"query_id", "results": [{"rank", "id", "index", "score"}], "opponents"?}
+    (`gradian query` adds "scoring": how the scores were made, in words).
 
     `id` is the training row's stored id (its `id` column, or its position).
     """
@@ -276,6 +277,9 @@ def _answer(
         top, bottom = streaming_topk(index, rows, q, device=made.device)
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
+    used = resolved_spec(index, q)  # "auto" named as what it meant for this index
+    for entry in results:
+        entry["scoring"] = scoring_words(used)
     # Row texts only from the very data that was indexed: edited data no longer lines up.
     train_rows, why = indexed_rows(index.meta, Fields.from_config(cfg.data), train)
     if cfg.query.token_scores:
@@ -291,7 +295,6 @@ def _answer(
     if cfg.query.output:
         write_results(cfg.query.output, results)
     where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(made.device)
-    used = resolve(index, q.precondition)
     return {
         "results": results,
         "queries": queries,
@@ -299,5 +302,5 @@ def _answer(
         "index": index,
         "ranked_rows": written_rows(index),
         "device": where,
-        "precondition": used if used == "none" else f"{used}, damping {q.damping}",
+        "scoring": scoring_words(used),
     }

@@ -23,7 +23,7 @@ from gradian_lightning.config import require
 from gradian_lightning.data import read_jsonl, row_snippet
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.precondition import resolve
+from gradian_lightning.query.precondition import resolved_spec, scoring_words
 from gradian_lightning.query.topk import score_all
 from gradian_lightning.recipes.query import add_token_terms, check_writable, make_query_rows, open_for_query
 from gradian_lightning.report.html import render
@@ -129,12 +129,8 @@ def write_report(path: str | Path, data: Dict[str, Any]) -> Path:
 
 def scoring_text(index: IndexReader, q: QuerySpec, checkpoints: int) -> str:
     """How the scores were made, in words, for the page's header."""
-    kind = {
-        "cosine": "per-module cosine (mean over modules)" if q.normalize == "module" else "whole-row cosine",
-        "inner": "inner product",
-    }[q.score]
-    used = resolve(index, q.precondition)
-    text = f"{kind}, preconditioner {used}" + ("" if used == "none" else f" (damping {q.damping})")
+    used = resolved_spec(index, q)
+    text = scoring_words(used)
     return text + (f", summed over {checkpoints} checkpoints weighted by learning rate" if checkpoints > 1 else "")
 
 
