@@ -74,8 +74,9 @@ def _damping(damping: float) -> float:
 
 # Counted rows per dimension of a module's k²×k² second moment before `auto` trusts fisher with it.
 # The N sweep of benchmarks/studies/lds_sets (k = 16, k² = 256): from 256 rows (1 per dimension)
-# up, fisher's raw LDS was at or above ekfac's on every set (facts 256-4096, format, shared); at 80
-# rows (SmolLM2, 0.3 per dimension) F is mostly damping and ekfac led (+0.401 against +0.355).
+# up, fisher with a whole-row cosine had raw LDS at or above ekfac's on every set but facts-2048
+# (0.099 against 0.106, a tenth of a standard error), and centred LDS above it on all; at 80 rows
+# (SmolLM2, 0.3 per dimension) F is mostly damping and ekfac led (+0.401 against +0.355).
 # ekfac needs k² numbers a module where fisher needs k⁴.
 FISHER_ROWS_PER_DIMENSION = 1
 AUTO_FEW_ROWS = "ekfac"

@@ -38,17 +38,19 @@ from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomical
 SMOLLM2 = Path.home() / ".cache" / "gradian" / "smollm2-135m-instruct"
 # On the projected index. Today's default first: precondition auto, per-module cosine, base + ft.
 PROJECTED: List[Dict[str, Any]] = [
-    {},
+    {},  # the defaults of the code that ran (query/precondition.py: `auto` for both)
     {"checkpoints": "last"},
     {"checkpoints": [0]},
-    *({"precondition": p} for p in ("none", "diag", "ekfac", "fisher")),
-    {"precondition": "fisher", "checkpoints": "last"},
+    # Each preconditioner with the per-module cosine, the defaults' normalisation before issue 29.
+    *({"precondition": p, "normalize": "module"} for p in ("none", "diag", "ekfac", "fisher")),
+    {"normalize": "module"},
+    {"precondition": "fisher", "normalize": "module", "checkpoints": "last"},
     {"score": "inner"},
     {"score": "inner", "precondition": "none"},
     {"score": "inner", "precondition": "none", "checkpoints": "last"},
     {"normalize": "row"},
     {"normalize": "row", "precondition": "none"},
-    # Candidates for the defaults (issue 29): the two preconditioners `auto` chooses between, each
+    # The candidates for issue 29's defaults: the two preconditioners `auto` chooses between, each
     # with a whole-row cosine; the fine-tune alone, whose 5-seed spread the issue asks to halve; and
     # the Fisher's inner product, the influence-style score without any normalisation.
     {"precondition": "fisher", "normalize": "row"},
