@@ -16,7 +16,7 @@ import numpy as np
 
 from gradian_lightning.errors import ConfigError
 
-STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+STORAGE_DTYPES = ("float32", "float16", "bfloat16", "int8")
 # What the indexing backward recomputes instead of keeping (gradients/recompute.py); mlp measured
 # 0.58x the plain step's peak RSS at 0.67-0.74x its time on SmolLM2 (benchmarks/RESULTS.md §1).
 RECOMPUTE = ("mlp", "layers", "none")
@@ -88,7 +88,8 @@ class IndexSpec:
 
     module_filter: name patterns of the Linear modules captured (`capture.select_modules`).
     projection_dim: k, rows per Kronecker factor (row width k² per module); None = exact gradients.
-    storage_dtype: float32, float16 or bfloat16, the dtype of the stored rows.
+    storage_dtype: float32, float16, bfloat16 or int8 (one float32 scale per module block), the
+        encoding of the stored rows (index/layout.py).
     seed: the projection's seed.
     recompute: what the backward runs again instead of keeping (gradients/recompute.py); memory only.
     loss_chunk_tokens: supervised tokens the output head and fp32 loss take at a time; memory only.

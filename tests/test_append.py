@@ -37,13 +37,15 @@ def answer(saved_model, tmp_path, path):
     return json.dumps(got["results"]), [got["train_rows"][i]["id"] for i in range(20)]
 
 
-def test_appending_ten_rows_equals_indexing_twenty(tmp_path, saved_model):
+@pytest.mark.parametrize("storage", ["float16", "int8"])
+def test_appending_ten_rows_equals_indexing_twenty(tmp_path, saved_model, storage):
     first, second, whole = (
         write_jsonl(tmp_path / n, r) for n, r in (("a.jsonl", ROWS[:10]), ("b.jsonl", ROWS[10:]), ("all.jsonl", ROWS))
     )
-    run_index(settings(saved_model, whole, tmp_path / "once"))
-    run_index(settings(saved_model, first, tmp_path / "grown"))
-    summary = run_index(settings(saved_model, second, tmp_path / "grown", "index.append=true"))
+    dtype = f"grads.storage_dtype={storage}"
+    run_index(settings(saved_model, whole, tmp_path / "once", dtype))
+    run_index(settings(saved_model, first, tmp_path / "grown", dtype))
+    summary = run_index(settings(saved_model, second, tmp_path / "grown", "index.append=true", dtype))
     assert summary["complete"] and summary["rows"] == 20 and summary["computed_rows"] == 10
     rows, columns, stats = contents(tmp_path / "grown")
     want_rows, want_columns, want_stats = contents(tmp_path / "once")
@@ -58,11 +60,11 @@ def test_appending_ten_rows_equals_indexing_twenty(tmp_path, saved_model):
     assert got == answer(saved_model, tmp_path, tmp_path / "once")[0]
     assert texts == [r["id"] for r in ROWS]  # row texts from both sources, by index position
     # Appending the same rows again does nothing; appending them again under new names is refused by id.
-    again = run_index(settings(saved_model, second, tmp_path / "grown", "index.append=true"))
+    again = run_index(settings(saved_model, second, tmp_path / "grown", "index.append=true", dtype))
     assert again["computed_rows"] == 0 and again["rows"] == 20
     repeated = write_jsonl(tmp_path / "c.jsonl", [{"id": "x", "text": "the sky"}, ROWS[4]])
     with pytest.raises(DataError, match=r"appended row id 'r4' is also the id of row 5 of the index"):
-        run_index(settings(saved_model, repeated, tmp_path / "grown", "index.append=true"))
+        run_index(settings(saved_model, repeated, tmp_path / "grown", "index.append=true", dtype))
 
 
 def test_an_interrupted_append_resumes_and_queries_see_its_rows(tmp_path, saved_model):

@@ -20,8 +20,8 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
         ("grads.batch_size=many", r"'grads.batch_size'.*many"),
         ("grads.batch_size=0", r"'grads.batch_size'=0 is not allowed; use an integer >= 1"),
         (
-            "grads.storage_dtype=int8",
-            r"'grads.storage_dtype'='int8' is not allowed; use float32 or float16 or bfloat16",
+            "grads.storage_dtype=int4",
+            r"'grads.storage_dtype'='int4' is not allowed; use float32 or float16 or bfloat16 or int8",
         ),
         ("grads.projection_dim=0", r"'grads.projection_dim'=0"),
         ("query.score=l2", r"'query.score'"),

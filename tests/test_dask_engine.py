@@ -165,3 +165,26 @@ def test_dask_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
         "query.engine=spark",
     )
     assert code == 2 and err == "gradian query: error: setting 'query.engine'='spark' is not allowed; use local or dask"
+
+
+@pytest.mark.parametrize("storage_dtype", ["float16", "int8"])
+def test_dask_blocks_decode_like_the_local_reader(tmp_path, monkeypatch, storage_dtype):
+    """Each Dask block decodes its own rows (int8: with its rows' scales, which are chunked apart
+    from the grads) exactly as the local scorer does; dask's synchronous scheduler, no cluster."""
+    n, d, chunk = 29, 8, 4
+    monkeypatch.setattr(layout, "CHUNK_BYTES", chunk * d * layout.NUMPY_DTYPE[storage_dtype]().itemsize)
+    g = torch.Generator().manual_seed(2)
+    grads = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * 5
+    blocks = [(0, 3), (3, 5)]
+    index = build_index(
+        tmp_path / "ix", grads, storage_dtype=storage_dtype, modules=[{"offset": o, "size": z} for o, z in blocks]
+    )
+    assert index.grads.chunks[0] == chunk
+    queries = torch.randn(3, d, generator=g)
+    for score, normalize in CASES:
+        spec = QuerySpec(top_k=6, bottom_k=2, score=score, normalize=normalize, precondition="none")
+        top, bottom = dask_topk(index, queries, spec, client="sync")
+        local_top, local_bottom = streaming_topk(index, queries, spec)
+        np.testing.assert_array_equal(top.indices.numpy(), local_top.indices.numpy())
+        np.testing.assert_array_equal(bottom.indices.numpy(), local_bottom.indices.numpy())
+        np.testing.assert_allclose(top.scores.numpy(), local_top.scores.numpy(), rtol=1e-5, atol=1e-6)

@@ -77,6 +77,7 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
         "float32": n * (m * 256 * 4 + m * 4) + stats,
         "float16": n * (m * 256 * 2 + m * 4) + stats,
         "bfloat16": n * (m * 256 * 2 + m * 4) + stats,
+        "int8": n * (m * 256 + m * 4 + m * 4) + stats,  # and a float32 scale per module
     }
 
 

@@ -58,6 +58,36 @@ def test_half_storage_halves_bytes_and_round_trips(tmp_path, dtype):
     assert sizes[dtype] * 2 == sizes["float32"]
 
 
+@pytest.mark.parametrize("sizes", [(3, 5), (4, 4)], ids=["unequal-modules", "equal-modules"])
+def test_int8_rounds_each_module_block_to_its_own_scale(tmp_path, sizes):
+    grads, loss = data()
+    grads[:, : sizes[0]] *= 1e-3  # modules whose gradients differ by orders of magnitude
+    grads[6, sizes[0] :] = 0.0  # an all-zero block
+    modules = [{"offset": 0, "size": sizes[0]}, {"offset": sizes[0], "size": sizes[1]}]
+    writer = IndexWriter(tmp_path / "ix", N, D, "int8", {**META, "modules": modules})
+    write(writer, [7, 2, 9, 0, 1, 3, 8, 4, 6, 5], grads, loss)
+    assert writer.close()
+    # The reference: numpy, block by block: q = round(127 x / max|x|), read back as q max|x| / 127.
+    x = grads.double().numpy()
+    want, steps = np.zeros_like(x), np.zeros((N, 2))
+    for m, (lo, size) in enumerate([(0, sizes[0]), (sizes[0], sizes[1])]):
+        block = x[:, lo : lo + size]
+        steps[:, m] = np.abs(block).max(axis=1) / 127
+        safe = np.where(steps[:, m] > 0, steps[:, m], 1.0)[:, None]
+        want[:, lo : lo + size] = np.clip(np.round(block / safe), -127, 127) * safe
+    group = zarr.open_group(str(tmp_path / "ix"))
+    assert group["grads"].dtype == np.int8 and group["grads"].nbytes == N * D
+    np.testing.assert_allclose(group["scales"][:], steps, rtol=1e-6)
+    back = open_index(tmp_path / "ix").rows(slice(None)).double().numpy()
+    np.testing.assert_allclose(back, want, rtol=1e-6, atol=1e-12)
+    assert np.all(np.abs(back - x) <= np.repeat(steps, sizes, axis=1) / 2 * (1 + 1e-6))
+    assert not back[6, sizes[0] :].any()
+    # The stored norms and statistics are of the rows as read back, like every other dtype's.
+    np.testing.assert_allclose(group["norms"][:, 1], np.linalg.norm(want[:, sizes[0] :], axis=1), rtol=1e-5)
+    np.testing.assert_allclose(open_index(tmp_path / "ix").statistics().sumsq, (want**2).sum(axis=0), rtol=1e-5)
+    assert torch.equal(open_index(tmp_path / "ix").rows([6, 2]), torch.from_numpy(back[[6, 2]]).float())
+
+
 def test_killed_run_resumes_and_is_never_marked_complete_early(tmp_path):
     grads, loss = data()
     first = IndexWriter(tmp_path / "ix", N, D, "float32", META)

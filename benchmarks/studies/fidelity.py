@@ -6,7 +6,7 @@ g_t, fp32, reference.py's hooks); then
   - exact scores from reference.exact_scores: ⟨G_a, G_b⟩ = Σ_t Σ_s (g_t·g_s)(x_t·x_s), so no
     576×1536 gradient is ever formed;
   - projected rows from the same per-token factors through `KroneckerProjector`, stored and read back
-    through the index's encoding (index/layout.py encode/decode) of each storage_dtype.
+    through the index's encoding (index/layout.py round_trip) of each storage_dtype.
 Cosine scores, whole-row and per-module (the mean over modules of each module's cosine, the
 default `query.normalize=module`), then Spearman ρ over all pairs (and the mean per-query ρ). How float16/bfloat16
 storage changes the ranking is measured against float32 storage of the same projection: ρ and
@@ -28,10 +28,10 @@ from benchmarks.common import ROOT, SMOLLM2, write_result
 from benchmarks.studies.reference import exact_scores, linear_modules, spearman, token_factors
 from gradian_lightning.data import read_jsonl
 from gradian_lightning.gradients.projection import KroneckerProjector
-from gradian_lightning.index.layout import decode, encode
+from gradian_lightning.index.layout import round_trip
 
 DIMS = (4, 8, 16, 32, 64)
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "int8")
 QUICKSTART = ROOT / "gradian_lightning" / "recipes" / "quickstart"
 
 
@@ -97,7 +97,7 @@ def main() -> None:
     for dim, (projected, projector) in projected_rows(model, tokenizer, queries + train, modules, dims).items():
         scores = {}
         for dtype in DTYPES:
-            stored = decode(encode(projected, dtype), dtype)
+            stored = round_trip(projected, dtype, projector.describe())
             scores[dtype] = cosine(stored[:nq], stored[nq:])
             per_query = np.mean([spearman(scores[dtype][i], exact_qt[i]) for i in range(nq)])
             by_module = module_cosine(stored[:nq], stored[nq:], projector)

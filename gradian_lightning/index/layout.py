@@ -3,7 +3,8 @@
 
     index.path/                      zarr group, attribute "gradian" = metadata (see below)
       grads              [N, D]      projected gradients, row-chunked, dtype = storage_dtype
-                                     (bfloat16 is stored as its raw uint16 bits: zarr has no bfloat16)
+                                     (bfloat16 is stored as its raw uint16 bits: zarr has no bfloat16;
+                                     int8 as round(127 r / max|r|) per module block, with `scales`)
       id                 [N] str     the data row's `id` column, or its position
       loss               [N] f32     per-example loss, nats (sum over supervised tokens)
       supervised_tokens  [N] i32     supervised tokens that entered the loss
@@ -14,6 +15,8 @@
                                      M = the blocks of meta["modules"] (one: the row, without them);
                                      written with the row, before `complete`. Indexes written before
                                      it existed lack it: readers compute the norms from the rows.
+      scales             [N, M] f32  int8 only: each module block's max|r| / 127, so that a block
+                                     decodes as grads × scale (written with the row, before `complete`)
       statistics/                    second moments of the counted rows, written on close (statistics.py)
 
 Row i is dataset position i, whatever order rows arrive in. Metadata attribute "gradian" holds
@@ -32,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -48,7 +51,9 @@ ATTRIBUTE = "gradian"
 # while a query scores it: 2x the streaming top-k throughput of 16 MiB (benchmarks/RESULTS.md §5).
 CHUNK_BYTES = 4 * 2**20
 NORMS = "norms"  # [N, M] float32 per-module L2 norms of the stored rows
-NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+SCALES = "scales"  # [N, M] float32 per-module scales of int8 rows
+NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8}
+INT8_MAX = 127
 ROW_ARRAYS = {
     "id": (str, ""),
     "loss": (np.float32, 0.0),
@@ -68,16 +73,34 @@ def has_member(group: zarr.Group, name: str, kind: type) -> bool:
     return isinstance(group.get(name), kind)
 
 
-def encode(rows: torch.Tensor, storage_dtype: str) -> np.ndarray:
-    """float32 rows [b, D] -> numpy array in the storage encoding."""
-    rows = rows.detach().cpu()
+def encode(
+    rows: torch.Tensor, storage_dtype: str, blocks: Sequence[Dict[str, Any]] = ()
+) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """float32 rows [b, D] -> (numpy array [b, D] in the storage encoding, scales float32 [b, M] or None).
+
+    int8 rounds each module block ({"offset", "size"}, `module_blocks`) to 255 levels of its own
+    max |value|: one scale a block, since modules' gradients differ by orders of magnitude. The
+    other dtypes have no scales.
+    """
+    rows = rows.detach().cpu().float()
+    if storage_dtype == "int8":
+        scales = _block_reduce(rows.abs(), blocks, torch.amax) / INT8_MAX  # [b, M]
+        step = _per_column(scales.clamp_min(torch.finfo(torch.float32).tiny), blocks, rows.shape[1])
+        return torch.round(rows / step).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).numpy(), scales.numpy()
     if storage_dtype == "bfloat16":
-        return rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return rows.to(getattr(torch, storage_dtype)).numpy()
+        return rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), None
+    return rows.to(getattr(torch, storage_dtype)).numpy(), None
 
 
-def decode(stored: np.ndarray, storage_dtype: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Stored rows -> float32 tensor [b, D]; into `out` (float32 [b, D], reused) when given."""
+def decode(
+    stored: np.ndarray,
+    storage_dtype: str,
+    out: Optional[torch.Tensor] = None,
+    scales: Optional[np.ndarray | torch.Tensor] = None,
+    blocks: Sequence[Dict[str, Any]] = (),
+) -> torch.Tensor:
+    """Stored rows [b, D] -> float32 tensor [b, D]; into `out` (float32 [b, D], reused) when given.
+    int8 rows need their `scales` [b, M] and the row's `blocks`."""
     if storage_dtype == "bfloat16":
         rows = torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16)
     else:
@@ -85,7 +108,37 @@ def decode(stored: np.ndarray, storage_dtype: str, out: Optional[torch.Tensor] =
     # torch upcasts float16 several times faster than NumPy's astype, and copying into a reused
     # buffer about 1.8x faster again than allocating (no fresh pages): it bounds query throughput
     # (benchmarks/query_throughput.py).
-    return rows.float() if out is None else out.copy_(rows)
+    rows = rows.float() if out is None else out.copy_(rows)
+    if storage_dtype == "int8":
+        if scales is None:
+            raise IndexFormatError(
+                "int8 rows cannot be decoded without their per-module scales (the index's 'scales' array); rebuild the index with `gradian index`"
+            )
+        scales = torch.as_tensor(scales, dtype=torch.float32)
+        size = equal_block_size(blocks, rows.shape[1])
+        if size is not None:  # projected: one broadcast multiply over a [b, M, k²] view
+            rows.view(rows.shape[0], len(blocks), size).mul_(scales[:, :, None])
+        else:
+            rows.mul_(_per_column(scales, blocks, rows.shape[1]))
+    return rows
+
+
+def round_trip(rows: torch.Tensor, storage_dtype: str, blocks: Sequence[Dict[str, Any]] = ()) -> torch.Tensor:
+    """float32 rows [b, D] as a reader gets them back after they were stored as `storage_dtype`."""
+    stored, scales = encode(rows, storage_dtype, blocks)
+    return decode(stored, storage_dtype, scales=scales, blocks=blocks)
+
+
+def _block_reduce(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], reduce: Any) -> torch.Tensor:
+    # [b, D] -> [b, M]: `reduce(block, dim=1)` of each module block.
+    return torch.stack(
+        [reduce(rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])], dim=1) for b in blocks], dim=1
+    )
+
+
+def _per_column(scales: torch.Tensor, blocks: Sequence[Dict[str, Any]], width: int) -> torch.Tensor:
+    # [b, M] -> [b, D]: each block's scale repeated over its columns.
+    return torch.repeat_interleave(scales, torch.tensor([int(b["size"]) for b in blocks]), dim=1)
 
 
 def equal_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[int]:

@@ -17,6 +17,7 @@ from gradian_lightning.index.checkpoints import checkpoint_entries
 from gradian_lightning.index.layout import (
     ATTRIBUTE,
     NORMS,
+    SCALES,
     decode,
     has_member,
     module_blocks,
@@ -68,6 +69,12 @@ class IndexReader:
         self._norms_array = (
             self.group[NORMS] if has_member(self.group, NORMS, zarr.Array) else None
         )  # absent in older indexes
+        self._scales_array = self.group.get(SCALES) if self.storage_dtype == "int8" else None
+        if self.storage_dtype == "int8" and not isinstance(self._scales_array, zarr.Array):
+            raise IndexFormatError(
+                f"{str(self.path)!r} stores int8 rows without their per-module scales (the index's 'scales' array); rebuild the index with `gradian index`"
+            )
+        self.module_blocks = module_blocks(self.meta)
         self._blocks: Dict[str, Tuple[int, torch.Tensor]] = {}  # name -> (first row, cached rows) for `_per_row`
         stats = self.group[STATISTICS_GROUP] if has_member(self.group, STATISTICS_GROUP, zarr.Group) else None
         # The damping the stored whitened norms are for; None when there are none (or a close was killed before it said so).
@@ -124,20 +131,30 @@ class IndexReader:
         return None if self._whitened_array is None else self._per_row(WHITENED_NORMS, self._whitened_array, lo, hi)
 
     def stored(self, lo: int, hi: int) -> np.ndarray:
-        """Rows lo..hi-1 as stored, not decoded ([hi - lo, D] in the storage encoding, `layout.decode` reads it)."""
+        """Rows lo..hi-1 as stored, not decoded ([hi - lo, D] in the storage encoding, `decode` reads it)."""
         return self.grads[lo:hi]
+
+    def decode(self, stored: np.ndarray, lo: int, hi: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 [hi - lo, D]: rows lo..hi-1 as `stored` holds them (`stored(lo, hi)`), decoded
+        with their scales where the encoding has them; into `out` when given."""
+        scales = None if self._scales_array is None else self._per_row(SCALES, self._scales_array, lo, hi)
+        return decode(stored, self.storage_dtype, out=out, scales=scales, blocks=self.module_blocks)
 
     def rows(self, indices: Sequence[int] | slice) -> torch.Tensor:
         """float32 rows [len(indices), D] for dataset positions `indices`."""
         if isinstance(indices, slice):
-            return decode(self.grads[indices], self.storage_dtype)
-        indices = np.asarray(indices, dtype=np.int64)
-        return decode(self.grads.oindex[indices, :], self.storage_dtype)
+            stored = self.grads[indices]
+            scales = None if self._scales_array is None else self._scales_array[indices]
+        else:
+            indices = np.asarray(indices, dtype=np.int64)
+            stored = self.grads.oindex[indices, :]
+            scales = None if self._scales_array is None else self._scales_array.oindex[indices, :]
+        return decode(stored, self.storage_dtype, scales=scales, blocks=self.module_blocks)
 
     def chunks(self) -> Iterator[Tuple[int, torch.Tensor]]:
         """(first row, float32 rows [c, D]) for each stored chunk, in order: streaming reads."""
         for lo, stored in self.stored_chunks():
-            yield lo, decode(stored, self.storage_dtype)
+            yield lo, self.decode(stored, lo, lo + len(stored))
 
     def stored_chunks(self) -> Iterator[Tuple[int, np.ndarray]]:
         """(first row, rows as stored [c, D]) for each stored chunk, in order: for callers that decode into their own buffer."""
@@ -151,7 +168,7 @@ class IndexReader:
         stored = RowStatistics.load(self.group, gram)
         if stored is not None:
             return stored
-        stats = RowStatistics.empty(module_blocks(self.meta), int(self.meta["width"]))
+        stats = RowStatistics.empty(self.module_blocks, int(self.meta["width"]))
         for lo, rows in self.chunks():
             hi = lo + len(rows)
             keep = self.group["complete"][lo:hi] & counted(

@@ -22,6 +22,7 @@ from gradian_lightning.index.layout import (
     NORMS,
     NUMPY_DTYPE,
     ROW_ARRAYS,
+    SCALES,
     chunk_rows,
     decode,
     encode,
@@ -206,9 +207,10 @@ class IndexWriter:
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
         modules = len(module_blocks(self.meta))
-        group.create_array(
-            NORMS, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
-        )
+        for name in (NORMS, SCALES) if self.storage_dtype == "int8" else (NORMS,):
+            group.create_array(
+                name, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
+            )
         group.attrs[ATTRIBUTE] = self.meta
         return group
 
@@ -256,7 +258,7 @@ class IndexWriter:
             "complete": False,
         }
         group = self.path.open_group("r+")
-        for name in ("grads", NORMS, *ROW_ARRAYS):
+        for name in ("grads", NORMS, SCALES, *ROW_ARRAYS):
             if has_member(group, name, zarr.Array):
                 array = group[name]
                 array.resize((total, *array.shape[1:]))
@@ -310,7 +312,7 @@ class IndexWriter:
             self._refuse_repeated_ids(ids)
         finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(loss)
         grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
-        stored = encode(grads, self.storage_dtype)
+        stored, scales = encode(grads, self.storage_dtype, self.blocks)
         touched = set()
         for j, i in enumerate(int(i) for i in indices):
             if self.done[i]:
@@ -319,7 +321,7 @@ class IndexWriter:
                 self.nonfinite_rows.append(i)
             c = i // self.chunk
             self._pending.setdefault(c, {})[i] = (
-                stored[j],
+                (stored[j], None if scales is None else scales[j]),
                 (ids[j], float(loss[j]), int(supervised[j]), int(truncated[j]), bool(finite[j])),
             )
             touched.add(c)
@@ -354,9 +356,13 @@ class IndexWriter:
         where = slice(lo, hi) if contiguous else order
         # The data goes first and the completion flags last, so a killed run never leaves a row
         # marked complete whose data is not on disk.
-        block = np.stack([rows[i][0] for i in order])
-        decoded = decode(block, self.storage_dtype)  # what a reader will see: norms and statistics are of these values
+        block = np.stack([rows[i][0][0] for i in order])
+        scales = np.stack([rows[i][0][1] for i in order]) if self.storage_dtype == "int8" else None
+        # What a reader will see: norms and statistics are of these values.
+        decoded = decode(block, self.storage_dtype, scales=scales, blocks=self.blocks)
         self._set("grads", where, block)
+        if scales is not None:  # before `complete`, like the row itself
+            self._set(SCALES, where, scales)
         if self.store_norms:
             self._set(NORMS, where, module_norms(decoded, self.blocks).numpy())
         columns = list(zip(*(rows[i][1] for i in order)))
@@ -375,8 +381,13 @@ class IndexWriter:
             keep = self._done_before[lo:hi] & counted(
                 self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi]
             )
-            stats.add(decode(self.group["grads"][lo:hi][keep], self.storage_dtype))
+            stats.add(self._decoded(lo, hi)[torch.from_numpy(keep)])
         return stats
+
+    def _decoded(self, lo: int, hi: int) -> torch.Tensor:
+        """float32 rows lo..hi-1 as written, read back from disk."""
+        scales = self.group[SCALES][lo:hi] if self.storage_dtype == "int8" else None
+        return decode(self.group["grads"][lo:hi], self.storage_dtype, scales=scales, blocks=self.blocks)
 
     def _set(self, name: str, where: slice | np.ndarray, values: np.ndarray) -> None:
         array = self.group[name]
@@ -398,11 +409,11 @@ class IndexWriter:
         )
         for lo in range(0, self.num_rows, self.chunk):
             hi = min(lo + self.chunk, self.num_rows)
-            stored = self.group["grads"][lo:hi]
+            rows = self._decoded(lo, hi)
             # Whitened ADD_ROWS rows at a time: a chunk's float32 copies whole are a few times its bytes.
             norms[lo:hi] = np.concatenate(
                 [
-                    module_norms(whiten(decode(stored[a : a + ADD_ROWS], self.storage_dtype), factors), self.blocks)
+                    module_norms(whiten(rows[a : a + ADD_ROWS], factors), self.blocks)
                     for a in range(0, hi - lo, ADD_ROWS)
                 ]
             )

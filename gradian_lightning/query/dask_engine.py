@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.index.layout import decode, module_blocks
+from gradian_lightning.index.layout import SCALES, decode, module_blocks
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, resolved_spec
 from gradian_lightning.query.topk import Ranking, prepare_queries, score_chunk
@@ -73,14 +73,17 @@ def check_workers_can_open(index: IndexReader) -> None:
 
 def _score_block(
     block: np.ndarray,
+    scales: Optional[np.ndarray],
     queries: torch.Tensor,
     blocks: Sequence[Dict[str, Any]],
     spec: QuerySpec,
     storage_dtype: str,
     transform: Optional[Preconditioner],
 ) -> np.ndarray:
-    # Runs on a worker: one stored chunk [c, D] -> its scores [c, Q] (rows along axis 0, as grads).
-    return score_chunk(queries, decode(block, storage_dtype), blocks, spec, transform).T.numpy()
+    # Runs on a worker: one stored chunk [c, D] (and its int8 scales [c, M]) -> its scores [c, Q]
+    # (rows along axis 0, as grads).
+    rows = decode(block, storage_dtype, scales=scales, blocks=blocks)
+    return score_chunk(queries, rows, blocks, spec, transform).T.numpy()
 
 
 def dask_topk(
@@ -112,8 +115,12 @@ def dask_topk(
     group = index.group
     grads = da.from_zarr(index.grads)  # blocks are the stored chunks: [c, D], one read each
     rows = grads.chunks[0]
-    scores = grads.map_blocks(
+    # int8 rows' scales [N, M], in the grads' row blocks so that each task reads its own rows' scales.
+    scales = da.from_zarr(group[SCALES]).rechunk((rows, -1)) if index.storage_dtype == "int8" else None
+    scores = da.map_blocks(
         _score_block,
+        grads,
+        scales,
         queries,
         blocks,
         spec,

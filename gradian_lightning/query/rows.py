@@ -23,7 +23,7 @@ from gradian_lightning.gradients.loss import LOSS_KIND
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.weights import weights_digest
 from gradian_lightning.hub import describe_model, normalized_name, pad_token_id
-from gradian_lightning.index.layout import decode, encode, storage_dtype_of, stored_spec
+from gradian_lightning.index.layout import module_blocks, round_trip, storage_dtype_of, stored_spec
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.specs import ROW_SETTINGS, IndexSpec, field_names
 
@@ -202,12 +202,12 @@ def query_gradients(
                 f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt"
             )
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    storage = storage_dtype_of(index.meta)
+    storage, blocks = storage_dtype_of(index.meta), module_blocks(index.meta)
     out = []
     pad = pad_token_id(tokenizer)
     # Batches are collated here rather than by a DataLoader, whose iterator draws from the caller's RNG.
     for lo in range(0, len(dataset), batch_size):
         batch = collate(dataset.examples[lo : lo + batch_size], pad_token_id=pad)
         made, _ = gradient_rows({k: batch[k].to(device) for k in BATCH_KEYS}, forward_context)
-        out.append(decode(encode(made, storage), storage))
+        out.append(round_trip(made, storage, blocks))
     return torch.cat(out).to(device)

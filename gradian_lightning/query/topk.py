@@ -23,7 +23,7 @@ import torch
 
 from gradian_lightning.errors import IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
-from gradian_lightning.index.layout import decode, equal_block_size, module_blocks, module_norms
+from gradian_lightning.index.layout import equal_block_size, module_blocks, module_norms
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.precondition import Preconditioner, preconditioner, resolve, resolved_spec
 from gradian_lightning.specs import QuerySpec, spec_from_arguments
@@ -199,7 +199,7 @@ def _scored_chunks(
             buffer = torch.empty(hi - lo, stored[0].shape[1])
         scores = None
         for (reader, queries, transform, weight, norms_of), chunk in zip(parts, stored):
-            rows = decode(chunk, reader.storage_dtype, out=buffer[: hi - lo]).to(device)
+            rows = reader.decode(chunk, lo, hi, out=buffer[: hi - lo]).to(device)
             part = score_chunk(
                 queries, rows, module_blocks(reader.meta), spec, transform, norms_of(lo, hi) if norms_of else None
             )

@@ -36,7 +36,7 @@ from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 from gradian_lightning.index.statistics import statistics_bytes
 from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec
 
-STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 _UNITS = {
     "": 1,
     "b": 1,
@@ -263,7 +263,7 @@ def largest_fitting_batch(
 
 def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str, Any]:
     """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype
-    (the rows, their per-module float32 norms and the row statistics, index/layout.py and
+    (the rows, their per-module float32 norms (and int8's scales) and the row statistics, index/layout.py and
     index/statistics.py; the per-row flags and zarr's metadata are left out). `statistics_bytes`
     is the statistics' share: mostly fixed, whatever the row count.
 
@@ -277,7 +277,9 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
         "width": projector.width,
         "statistics_bytes": stats,
         "bytes_by_storage_dtype": {
-            d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * 4) + stats
+            # a float32 norm per module, and for int8 a float32 scale per module too
+            d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * (8 if d == "int8" else 4))
+            + stats
             for d in STORAGE_DTYPES
         },
     }
