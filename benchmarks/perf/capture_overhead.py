@@ -53,12 +53,19 @@ RECOMPUTE_SUFFIXES = {
 }  # variant suffix -> GradientIndexer(recompute=...); none: the default, mlp
 
 
-def _variant(name: str) -> tuple:
-    """(module filter patterns, recompute) of an index variant such as `down_proj_keep`."""
+def _variant(name: str, projection_dim: int) -> tuple:
+    """(module filter patterns, recompute, projection_dim, storage_dtype) of an index variant such as
+    `down_proj_keep`, or `mlp@k32-int8` for another index format (issue 29's candidates) than k =
+    `projection_dim` in float16."""
+    name, _, fmt = name.partition("@")
+    storage = "float16"
+    if fmt:
+        dim, storage = fmt.split("-")
+        projection_dim = int(dim.lstrip("k"))
     for suffix, recompute in RECOMPUTE_SUFFIXES.items():
         if name.endswith(suffix):
-            return FILTERS[name[: -len(suffix)]], recompute
-    return FILTERS[name], "mlp"
+            return FILTERS[name[: -len(suffix)]], recompute, projection_dim, storage
+    return FILTERS[name], "mlp", projection_dim, storage
 
 
 SETTINGS = {  # model -> (batches, batch size, sequence length)
@@ -107,14 +114,14 @@ def child(args: argparse.Namespace) -> None:
             loss.backward()
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            patterns, recompute = _variant(args.variant)
+            patterns, recompute, projection_dim, storage_dtype = _variant(args.variant, args.projection_dim)
             # rows_per_chunk: chunks are flushed (and the row statistics summed) during the run, as in
             # an index of thousands of rows, not once at its close.
             indexer = GradientIndexer(
                 f"{tmp}/index",
                 patterns.split(","),
-                projection_dim=args.projection_dim,
-                storage_dtype="float16",
+                projection_dim=projection_dim,
+                storage_dtype=storage_dtype,
                 recompute=recompute,
                 rows_per_chunk=2 * args.batch_size,
             )
@@ -163,7 +170,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default=None,
-        help="comma-separated index variants (default: all): down_proj, mlp, all_linear at the default recompute=mlp, with _keep (none) or _layers appended for the others",
+        help="comma-separated index variants (default: all): down_proj, mlp, all_linear at the default recompute=mlp, with _keep (none) or _layers appended for the others, and @kK-DTYPE (e.g. mlp@k32-int8) for another index format",
     )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens, one repeat: seconds")
@@ -272,7 +279,7 @@ def main() -> None:
         "peak RSS ratio",
     ]
     text = (
-        f"projection_dim {args.projection_dim}, storage float16, {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; "
+        f"projection_dim {args.projection_dim}, storage float16 (a variant's @kK-DTYPE: k = K in DTYPE), {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; "
         + "; ".join(f"{k}: {b} batches × {bs} rows × {s} tokens" for k, (b, bs, s) in settings.items())
         + "."
     )

@@ -1,9 +1,8 @@
 """What every LDS set shares: its base and fine-tuned models, its indexes, `gradian validate`'s
 retrained subsets and the scorers measured on them, planted-source retrieval and a BM25 baseline.
 
-Everything goes through the product: `run_index` builds the indexes (projected at
-`grads.projection_dim` 16 with `grads.seed` 0, 1, 2, ...; and exact, `projection_dim=null`, the
-reference), `run_validate` retrains the subsets once (kept in WORK/runs, so a killed run resumes
+Everything goes through the product: `run_index` builds the indexes (projected in each of
+FORMATS, with `grads.seed` 0, 1, 2, ...; and exact, `projection_dim=null`, the reference), `run_validate` retrains the subsets once (kept in WORK/runs, so a killed run resumes
 there) and scores each index's scorers, `reference.product_scores` gives the scores retrieval is measured on.
 Each index holds the base and the fine-tuned model as `model.checkpoints=[base, ft]` (steps 0 and 1):
 `query.checkpoints=all` is base + ft (today's default), `last` the fine-tune alone, `[0]` the base alone.
@@ -19,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +58,12 @@ PROJECTED: List[Dict[str, Any]] = [
     {"precondition": "none", "normalize": "row", "checkpoints": "last"},
     {"precondition": "fisher", "score": "inner"},
 ]
+# The projected index formats measured on the same retrained subsets: issue 29's candidates at
+# up to 2x the bytes of k = 16 in float16 (benchmarks/studies/index_format).
+FORMATS: Dict[str, Dict[str, str]] = {
+    "k16-float16": {"grads.projection_dim": "16", "grads.storage_dtype": "float16"},
+    "k32-int8": {"grads.projection_dim": "32", "grads.storage_dtype": "int8"},
+}
 # On the exact index (projection_dim=null): the reference, unpreconditioned.
 EXACT: List[Dict[str, Any]] = [
     {"precondition": "none", **s, **c}
@@ -83,6 +88,7 @@ class SetSpec:
     batch_size: int = 16
     max_seq_length: int = 40
     seeds: List[int] = field(default_factory=lambda: [0, 1, 2])  # projection draws
+    formats: List[str] = field(default_factory=lambda: list(FORMATS))  # keys of FORMATS
     base: Optional[str] = None  # a pretrained base (SmolLM2) instead of a tiny one
     exact_filter: Optional[List[str]] = None  # exact index on fewer modules (SmolLM2's MLP is 885 K values a module)
     seed: int = 0
@@ -231,7 +237,11 @@ def measure(
     result: Dict[str, Any] = {"kind": spec.kind, "spec": spec.__dict__, "command": command, "indexes": {}}
     # The retraining happens in the first validate call; later calls find every run on disk.
     for label, scorers, more in [
-        *((f"projected-seed{s}", PROJECTED, {"grads.seed": str(s)}) for s in spec.seeds),
+        *(
+            (f"projected-{f}-seed{s}", PROJECTED, {**FORMATS[f], "grads.seed": str(s)})
+            for f in spec.formats
+            for s in spec.seeds
+        ),
         ("exact", EXACT, {"grads.projection_dim": "null"}),
     ]:
         if label == "exact" and spec.exact_filter:
@@ -261,19 +271,34 @@ def measure(
     return result
 
 
+def projected_formats(result: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
+    """The projected indexes of a result by format ({format: [one per seed]}); results written
+    before formats were named hold k = 16 float16 only, as "projected-seed{s}"."""
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for label, entry in result["indexes"].items():
+        if label.startswith("projected-"):
+            fmt = label[len("projected-") :].rsplit("-seed", 1)[0]
+            out.setdefault("k16-float16" if fmt.startswith("seed") or not fmt else fmt, []).append(entry)
+    return out
+
+
 def seed_averaged(result: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """One row per scorer: each figure averaged over the projection seeds (exact: its one index),
-    with the spread (max - min) of raw LDS over the seeds."""
+    """One row per scorer and index format: each figure averaged over the projection seeds (exact:
+    its one index), with the spread (max - min) of raw LDS over the seeds."""
     rows = []
-    projected = [v for k, v in result["indexes"].items() if k.startswith("projected")]
-    for i, scorer in enumerate(projected[0]["scorers"]):
-        draws = [p["scorers"][i] for p in projected]
-        row = {"scorer": scorer_name(scorer["scorer"]), "index": f"projected k=16 ({len(draws)} seeds)"}
-        for key in ("lds", "standard_error", "centred_lds", "centred_standard_error", "recall@10", "mrr"):
-            if key in scorer:
-                row[key] = float(np.mean([d[key] for d in draws]))
-        row["lds_spread"] = float(max(d["lds"] for d in draws) - min(d["lds"] for d in draws))
-        rows.append(row)
+    for fmt, projected in projected_formats(result).items():
+        for i, scorer in enumerate(projected[0]["scorers"]):
+            draws = [p["scorers"][i] for p in projected]
+            row = {
+                "scorer": scorer_name(scorer["scorer"]),
+                "index": f"projected {fmt} ({len(draws)} seeds)",
+                "format": fmt,
+            }
+            for key in ("lds", "standard_error", "centred_lds", "centred_standard_error", "recall@10", "mrr"):
+                if key in scorer:
+                    row[key] = float(np.mean([d[key] for d in draws]))
+            row["lds_spread"] = float(max(d["lds"] for d in draws) - min(d["lds"] for d in draws))
+            rows.append(row)
     for scorer in result["indexes"]["exact"]["scorers"]:
         rows.append(
             {
@@ -341,7 +366,7 @@ def across_sets(results: List[Dict[str, Any]]) -> str:
         informative[name] = raw_ceiling_above_zero(result)
         for row in averaged:
             if row["index"] and row["index"] != "words":
-                rows.setdefault(f"{row['scorer']} ({'exact' if row['index'] == 'exact' else 'k=16'})", {})[name] = row
+                rows.setdefault(f"{row['scorer']} ({row.get('format', 'exact')})", {})[name] = row
     names = list(best)
     noisy = [n for n in names if not informative[n]]
     lines = [
@@ -381,3 +406,29 @@ def across_sets(results: List[Dict[str, Any]]) -> str:
         else "Every set's raw noise ceiling is clearly above 0."
     )
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def formats_side_by_side(
+    results: List[Dict[str, Any]], scorers: Sequence[str] = ("query.* settings", "checkpoints=last")
+) -> str:
+    """A Markdown table: per set and scorer, each projected index format's seed-averaged raw LDS,
+    centred LDS, R@10 and spread of raw LDS over the seeds, with the set's best exact scorer, all
+    on the same retrained subsets: what issue 29's index-format candidates change."""
+    lines = [
+        "| set | scorer | format | raw LDS | centred LDS | R@10 | MRR | raw spread over seeds | best exact raw / centred |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        name = f"{result['kind']}-N{result['spec']['rows']}{result['spec'].get('variant', '')}"
+        averaged = seed_averaged(result)
+        exact = [r for r in averaged if r["index"] == "exact"]
+        best = f"{max(r['lds'] for r in exact):+.3f} / {max(r['centred_lds'] for r in exact):+.3f}"
+        for scorer in scorers:
+            for row in (r for r in averaged if r["scorer"] == scorer and "format" in r):
+                recall = f"{row['recall@10']:.2f}" if "recall@10" in row else ""
+                mrr = f"{row['mrr']:.2f}" if "mrr" in row else ""
+                lines.append(
+                    f"| {name} | {scorer} | {row['format']} | {row['lds']:+.3f} ± {row['standard_error']:.3f} | "
+                    f"{row['centred_lds']:+.3f} ± {row['centred_standard_error']:.3f} | {recall} | {mrr} | {row['lds_spread']:.3f} | {best} |"
+                )
+    return "\n".join(lines) + "\n"

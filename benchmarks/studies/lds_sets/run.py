@@ -20,7 +20,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.studies.lds_sets.common import SMOLLM2, SetSpec, across_sets, measure, table
+from benchmarks.studies.lds_sets.common import (
+    FORMATS,
+    SMOLLM2,
+    SetSpec,
+    across_sets,
+    formats_side_by_side,
+    measure,
+    seed_averaged,
+    table,
+)
 from benchmarks.studies.lds_sets.kinds import GENERATORS
 
 HERE = Path(__file__).resolve().parent
@@ -42,6 +51,7 @@ def spec_for(kind: str, rows: int, smoke: bool) -> SetSpec:
     if smoke:
         spec.rows, spec.queries, spec.base_rows, spec.base_epochs = min(rows, 48), 6, 48, 2
         spec.num_subsets, spec.repeats, spec.epochs, spec.seeds = 3, 2, 1, [0]
+        spec.formats = spec.formats[:1]
     return spec
 
 
@@ -51,6 +61,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, help="training rows N (default: facts 2048, shared/format 512, smollm2 80)")
     parser.add_argument(
         "--learning-rate", type=float, help="the fine-tune's and every subset's AdamW rate (tiny default 3e-3)"
+    )
+    parser.add_argument(
+        "--formats", nargs="+", choices=sorted(FORMATS), help="projected index formats (default: all of FORMATS)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the figures")
     parser.add_argument(
@@ -66,10 +79,14 @@ def main(argv=None) -> int:
                 f"### {result['kind']}, N = {result['spec']['rows']}{result['spec'].get('variant', '')}\n\n`{result['command']}`\n\n{table(result)}"
             )
         print(f"### Across the sets\n\n{across_sets(results)}")
+        if any(len({r.get("format") for r in seed_averaged(x)} - {None}) > 1 for x in results):
+            print(f"### Index formats side by side\n\n{formats_side_by_side(results)}")
         return 0
     if args.kind is None:
         parser.error("give a KIND, or --report")
     spec = spec_for(args.kind, args.rows or DEFAULT_ROWS[args.kind], args.smoke)
+    if args.formats:
+        spec.formats = args.formats
     if args.learning_rate is not None:
         spec.learning_rate, spec.variant = args.learning_rate, f"-lr{args.learning_rate:g}"
     rows, queries, base_rows = GENERATORS[args.kind](spec.rows, spec.queries, spec.seed, spec.base_rows)
