@@ -40,7 +40,25 @@ def _peer_kronfluence(kind: str) -> Callable[[], str]:
     return render
 
 
+def _index_formats() -> str:
+    from benchmarks.studies.index_format.run import RESULTS, report
+
+    result = json.loads(RESULTS.read_text())
+    return f"Command: `{result['command']}`\n\nMachine: {result['machine']}\n\n{report(result)}"
+
+
+def _lds_formats() -> str:
+    from benchmarks.studies.lds_sets.common import formats_side_by_side
+
+    folder = HERE / "studies" / "lds_sets" / "formats"
+    results = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    commands = "\n".join(f"    {r['command']}" for r in results)
+    return f"Commands (one a set; `--report --results {folder.relative_to(HERE.parent)}` prints every table):\n\n{commands}\n\n{formats_side_by_side(results)}"
+
+
 REPORTS: Dict[str, Callable[[], str]] = {
+    "index formats": _index_formats,
+    "lds formats": _lds_formats,
     "lds seeds": _lds_seeds,
     "peer_kronfluence fact": _peer_kronfluence("fact"),
     "peer_kronfluence newword": _peer_kronfluence("newword"),

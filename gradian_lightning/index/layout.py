@@ -79,11 +79,12 @@ def encode(
     """float32 rows [b, D] -> (numpy array [b, D] in the storage encoding, scales float32 [b, M] or None).
 
     int8 rounds each module block ({"offset", "size"}, `module_blocks`) to 255 levels of its own
-    max |value|: one scale a block, since modules' gradients differ by orders of magnitude. The
-    other dtypes have no scales.
+    max |value|: one scale a block, since modules' gradients differ by orders of magnitude (no
+    `blocks`: the row is one block). The other dtypes have no scales.
     """
     rows = rows.detach().cpu().float()
     if storage_dtype == "int8":
+        blocks = blocks or [{"offset": 0, "size": rows.shape[1]}]
         scales = _block_reduce(rows.abs(), blocks, torch.amax) / INT8_MAX  # [b, M]
         step = _per_column(scales.clamp_min(torch.finfo(torch.float32).tiny), blocks, rows.shape[1])
         return torch.round(rows / step).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).numpy(), scales.numpy()
@@ -100,7 +101,7 @@ def decode(
     blocks: Sequence[Dict[str, Any]] = (),
 ) -> torch.Tensor:
     """Stored rows [b, D] -> float32 tensor [b, D]; into `out` (float32 [b, D], reused) when given.
-    int8 rows need their `scales` [b, M] and the row's `blocks`."""
+    int8 rows need their `scales` [b, M] and the `blocks` they were encoded with."""
     if storage_dtype == "bfloat16":
         rows = torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16)
     else:
@@ -115,6 +116,7 @@ def decode(
                 "int8 rows cannot be decoded without their per-module scales (the index's 'scales' array); rebuild the index with `gradian index`"
             )
         scales = torch.as_tensor(scales, dtype=torch.float32)
+        blocks = blocks or [{"offset": 0, "size": rows.shape[1]}]
         size = equal_block_size(blocks, rows.shape[1])
         if size is not None:  # projected: one broadcast multiply over a [b, M, k²] view
             rows.view(rows.shape[0], len(blocks), size).mul_(scales[:, :, None])
