@@ -21,6 +21,7 @@ from pathlib import Path
 
 from benchmarks.common import SMOLLM2, bytes_on_disk, write_result
 from benchmarks.studies.fidelity import DIMS, DTYPES, QUICKSTART, projected_rows
+from gradian_lightning.index.layout import NUMPY_DTYPE
 
 FILTERS = {
     "down_proj": ["down_proj"],
@@ -73,12 +74,7 @@ def main() -> None:
                     )
                     assert writer.close()
                     codec = codec or writer.group["grads"].compressors
-                    raw = (
-                        projected.shape[1]
-                        * np.dtype(
-                            {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[dtype]
-                        ).itemsize
-                    )
+                    raw = projected.shape[1] * np.dtype(NUMPY_DTYPE[dtype]).itemsize
                     grads = bytes_on_disk(path / "grads") / n
                     total = bytes_on_disk(path) / n
                     rows.append(
