@@ -2,10 +2,12 @@
 retrained subsets and the scorers measured on them, planted-source retrieval and a BM25 baseline.
 
 Everything goes through the product: `run_index` builds the indexes (projected in each of
-FORMATS, with `grads.seed` 0, 1, 2, ...; and exact, `projection_dim=null`, the reference), `run_validate` retrains the subsets once (kept in WORK/runs, so a killed run resumes
-there) and scores each index's scorers, `reference.product_scores` gives the scores retrieval is measured on.
-Each index holds the base and the fine-tuned model as `model.checkpoints=[base, ft]` (steps 0 and 1):
-`query.checkpoints=all` is base + ft (today's default), `last` the fine-tune alone, `[0]` the base alone.
+FORMATS, with `grads.seed` 0, 1, 2, ...; and exact, `projection_dim=null`, the reference),
+`run_validate` retrains the subsets once (kept in WORK/runs, so a killed run resumes there) and
+scores each index's scorers, `reference.product_scores` gives the scores retrieval is measured
+on. Each index holds the base and the fine-tuned model as `model.checkpoints=[base, ft]` (steps
+0 and 1): `query.checkpoints=all` is base + ft (today's default), `last` the fine-tune alone,
+`[0]` the base alone.
 """
 
 from __future__ import annotations
@@ -271,6 +273,11 @@ def measure(
     return result
 
 
+def set_name(result: Dict[str, Any]) -> str:
+    """A result's set as its file is named: KIND-N{rows}{variant}."""
+    return f"{result['kind']}-N{result['spec']['rows']}{result['spec'].get('variant', '')}"
+
+
 def projected_formats(result: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
     """The projected indexes of a result by format ({format: [one per seed]}); results written
     before formats were named hold k = 16 float16 only, as "projected-seed{s}"."""
@@ -359,7 +366,7 @@ def across_sets(results: List[Dict[str, Any]]) -> str:
     best_centred: Dict[str, float] = {}
     informative: Dict[str, bool] = {}
     for result in results:
-        name = f"{result['kind']}-N{result['spec']['rows']}{result['spec'].get('variant', '')}"
+        name = set_name(result)
         averaged = seed_averaged(result)
         best[name] = max(r["lds"] for r in averaged if r["index"] == "exact")
         best_centred[name] = max(r["centred_lds"] for r in averaged if r["index"] == "exact")
@@ -419,7 +426,7 @@ def formats_side_by_side(
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
-        name = f"{result['kind']}-N{result['spec']['rows']}{result['spec'].get('variant', '')}"
+        name = set_name(result)
         averaged = seed_averaged(result)
         exact = [r for r in averaged if r["index"] == "exact"]
         best = f"{max(r['lds'] for r in exact):+.3f} / {max(r['centred_lds'] for r in exact):+.3f}"
