@@ -88,6 +88,16 @@ def test_int8_rounds_each_module_block_to_its_own_scale(tmp_path, sizes):
     assert torch.equal(open_index(tmp_path / "ix").rows([6, 2]), torch.from_numpy(back[[6, 2]]).float())
 
 
+def test_int8_index_without_its_scales_is_refused_in_one_line(tmp_path):
+    grads, loss = data()
+    writer = IndexWriter(tmp_path / "ix", N, D, "int8", META)
+    write(writer, range(N), grads, loss)
+    writer.close()
+    del zarr.open_group(str(tmp_path / "ix"))["scales"]
+    with pytest.raises(IndexFormatError, match=r"stores int8 rows without their per-module scales .*rebuild the index"):
+        open_index(tmp_path / "ix")
+
+
 def test_killed_run_resumes_and_is_never_marked_complete_early(tmp_path):
     grads, loss = data()
     first = IndexWriter(tmp_path / "ix", N, D, "float32", META)
