@@ -33,10 +33,10 @@ from gradian_lightning.gradients.memory import (
 )
 from gradian_lightning.gradients.recompute import recomputed_units
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
+from gradian_lightning.index.layout import NUMPY_DTYPE
 from gradian_lightning.index.statistics import statistics_bytes
 from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec
 
-STORAGE_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 _UNITS = {
     "": 1,
     "b": 1,
@@ -278,7 +278,8 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
         "statistics_bytes": stats,
         "bytes_by_storage_dtype": {
             # a float32 norm per module, and for int8 a float32 scale per module too
-            d: rows * (projector.width * STORAGE_ITEMSIZE[d] + len(projector.blocks) * (8 if d == "int8" else 4))
+            d: rows
+            * (projector.width * np.dtype(NUMPY_DTYPE[d]).itemsize + len(projector.blocks) * (8 if d == "int8" else 4))
             + stats
             for d in STORAGE_DTYPES
         },
