@@ -84,9 +84,9 @@ def encode(
     """
     rows = rows.detach().cpu().float()
     if storage_dtype == "int8":
-        blocks = blocks or [{"offset": 0, "size": rows.shape[1]}]
+        blocks = _blocks_or_row(blocks, rows.shape[1])
         scales = _block_reduce(rows.abs(), blocks, torch.amax) / INT8_MAX  # [b, M]
-        step = _per_column(scales.clamp_min(torch.finfo(torch.float32).tiny), blocks, rows.shape[1])
+        step = _per_column(scales.clamp_min(torch.finfo(torch.float32).tiny), blocks)
         return torch.round(rows / step).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).numpy(), scales.numpy()
     if storage_dtype == "bfloat16":
         return rows.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), None
@@ -116,12 +116,12 @@ def decode(
                 "int8 rows cannot be decoded without their per-module scales (the index's 'scales' array); rebuild the index with `gradian index`"
             )
         scales = torch.as_tensor(scales, dtype=torch.float32)
-        blocks = blocks or [{"offset": 0, "size": rows.shape[1]}]
+        blocks = _blocks_or_row(blocks, rows.shape[1])
         size = equal_block_size(blocks, rows.shape[1])
         if size is not None:  # projected: one broadcast multiply over a [b, M, k²] view
             rows.view(rows.shape[0], len(blocks), size).mul_(scales[:, :, None])
         else:
-            rows.mul_(_per_column(scales, blocks, rows.shape[1]))
+            rows.mul_(_per_column(scales, blocks))
     return rows
 
 
@@ -131,6 +131,11 @@ def round_trip(rows: torch.Tensor, storage_dtype: str, blocks: Sequence[Dict[str
     return decode(stored, storage_dtype, scales=scales, blocks=blocks)
 
 
+def _blocks_or_row(blocks: Sequence[Dict[str, Any]], width: int) -> Sequence[Dict[str, Any]]:
+    # Rows written without a module layout are one block: the row.
+    return blocks or [{"offset": 0, "size": width}]
+
+
 def _block_reduce(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], reduce: Any) -> torch.Tensor:
     # [b, D] -> [b, M]: `reduce(block, dim=1)` of each module block.
     return torch.stack(
@@ -138,7 +143,7 @@ def _block_reduce(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], reduce: 
     )
 
 
-def _per_column(scales: torch.Tensor, blocks: Sequence[Dict[str, Any]], width: int) -> torch.Tensor:
+def _per_column(scales: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
     # [b, M] -> [b, D]: each block's scale repeated over its columns.
     return torch.repeat_interleave(scales, torch.tensor([int(b["size"]) for b in blocks]), dim=1)
 
