@@ -1,12 +1,12 @@
-"""Row statistics gathered while indexing: equal to a dense float64 pass over the stored rows,
-whatever the order, the resumes or the split across ranks."""
+"""Row statistics written when an index closes: equal to a dense float64 pass over the stored rows,
+whatever the order, the resumes or the slabs of modules the close sums at a time."""
 
 import numpy as np
 import pytest
 import torch
 
 from gradian_lightning import open_index
-from gradian_lightning.index import layout
+from gradian_lightning.index import layout, statistics
 from gradian_lightning.index.writer import IndexWriter
 
 N, D = 11, 8
@@ -70,14 +70,23 @@ def test_two_resumed_halves_equal_one_pass(tmp_path, closed):
     check(open_index(tmp_path / "ix").statistics())
 
 
-def test_statistics_of_two_ranks_merge_to_one_pass(tmp_path):
-    halves = []
-    for name, part in (("r0", [0, 2, 4, 6, 8, 10]), ("r1", [1, 3, 5, 7, 9])):
-        writer = IndexWriter(tmp_path / name, N, D, "float16", META)
-        write(writer, part)
-        writer.close()
-        halves.append(open_index(tmp_path / name).statistics())
-    check(halves[0] + halves[1])
+def test_one_module_a_pass_equals_all_at_once(tmp_path, monkeypatch):
+    """The close sums the gram a slab of modules per pass, reading a few rows at a time, and writes
+    each slab's whitened norms in the next pass: every split gives the one-slab statistics and norms."""
+    writer = IndexWriter(tmp_path / "whole", N, D, "float16", META)
+    write(writer, range(N))
+    assert writer.close()
+    monkeypatch.setattr(statistics, "GRAM_SLAB_BYTES", 4 * 4 * 8)  # one 4x4 float64 gram: a pass per module
+    monkeypatch.setattr(statistics, "READ_BYTES", 1)  # one chunk of rows per read
+    writer = IndexWriter(tmp_path / "slabs", N, D, "float16", META)
+    write(writer, range(N))
+    assert writer.close()
+    check(open_index(tmp_path / "slabs").statistics())
+    whole, slabs = open_index(tmp_path / "whole"), open_index(tmp_path / "slabs")
+    assert slabs.whitened_damping == whole.whitened_damping is not None
+    torch.testing.assert_close(slabs.whitened_norms(0, N), whole.whitened_norms(0, N), rtol=1e-6, atol=0)
+    for name in ("eigvals", "eigvecs"):
+        np.testing.assert_array_equal(slabs.group["statistics"][name][:], whole.group["statistics"][name][:])
 
 
 def test_an_index_without_statistics_is_read_in_one_pass(tmp_path):

@@ -1,4 +1,4 @@
-"""Second moments of an index's stored rows, gathered by the writer in the same pass as the rows.
+"""Second moments of an index's stored rows, written when the index closes, from the rows on disk.
 
     index.path/statistics/           zarr group, attribute "rows" = rows counted
       sumsq   [D] f64                Σ_rows r_j²: per-coordinate sums of squares
@@ -12,35 +12,33 @@
                                      killed half-way leaves no attribute and readers whiten instead
 
 Why the whitened norms are stored: with them a fisher query whitens only its own rows, twice
-(qᵀ(F + λI)⁻¹ r = (W²q)·r), and scores a chunk as the none path does, one scaled decode and one
+(qᵀ(F + λI)⁻¹r = (W²q)·r), and scores a chunk as the none path does, one scaled decode and one
 GEMM, instead of multiplying every k²-block of every row by a k²×k² factor (10x slower).
 
 Counted rows are the stored values (decoded from the storage dtype, so a query preconditions
-exactly what it reads) of rows that are finite and have at least one supervised token.
+exactly what it reads) of complete rows that are finite and have at least one supervised token.
 
-Why it is never double-counted after a resume: the writer sums, in memory, only the rows it
-flushes itself (a row already complete on disk is never flushed again), and on close adds the
-rows that were complete before it started, read back from disk. So the stored statistics are a
-function of the set of complete rows, whatever sessions wrote them. Ranks never double-count
-either: their rows are gathered to the one writer on rank 0. Statistics are plain sums, so two
-row sets' statistics merge with `+`.
+Why they are read back from disk at close (`write_statistics`) rather than summed while rows
+arrive: the gram is M·k⁴ float64, 755 MB for SmolLM2's MLP at k = 32, and summed a slab of modules
+per pass it never sits whole beside the model. And being a function of the complete rows on disk,
+the statistics are the same however many killed, resumed or appending runs wrote those rows.
+Ranks never double-count either: their rows are gathered to the one writer on rank 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.index.layout import equal_block_size, has_member
+from gradian_lightning.index.layout import equal_block_size, has_member, module_norms
 
 # gram is s² float64 per module: 8 MiB per module at k = 32 (s = 1024). Beyond that (k = 64:
 # 128 MiB per module) only the per-coordinate sums are kept, and `fisher` is not available.
 GRAM_MAX_SIZE = 1024
-SLAB_BYTES = 4 << 20  # the eigenvectors are computed and written this many bytes of modules at a time
 STATISTICS_GROUP = "statistics"  # the zarr subgroup of the index root group that holds them
 WHITENED_NORMS = "whitened_norms"
 WHITENED_DAMPING = "whitened_damping"
@@ -100,14 +98,15 @@ def kronecker_whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping
     return ((q * (1.0 / np.sqrt(corrected + damping * level))) @ q.T).astype(np.float32)
 
 
-def whitening_factors(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float, kronecker: bool = False) -> np.ndarray:
+def whitening_factors(eigvals: np.ndarray, eigvecs: Any, damping: float, kronecker: bool = False) -> np.ndarray:
     """`whitening_factor` (`kronecker`: `kronecker_whitening_factor`) of every module: [M, s, s]
-    float32 from eigvals [M, s], eigvecs [M, s, s]."""
+    float32 from eigvals [M, s] and eigvecs [M, s, s] (an array, or the stored zarr array)."""
     factors = np.empty(eigvecs.shape, dtype=np.float32)
-    # One module at a time: the temporaries are one [s, s] block, not another [M, s, s] array.
+    # One module at a time: the temporaries are one [s, s] block, and stored eigenvectors are read
+    # a module at a time, not as another [M, s, s] float64 array (755 MB for the MLP at k = 32).
     factor = kronecker_whitening_factor if kronecker else whitening_factor
-    for m, (w, v) in enumerate(zip(eigvals, eigvecs)):
-        factors[m] = factor(w, v, damping)
+    for m in range(len(eigvals)):
+        factors[m] = factor(eigvals[m], np.asarray(eigvecs[m]), damping)
     return factors
 
 
@@ -118,11 +117,132 @@ def whiten(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
 
 
 ADD_ROWS = 4096  # rows RowStatistics.add converts to float64 at once
+# Second moments summed at once while an index closes (float64): 64 MiB is every module of the MLP
+# at k = 16 (47 MB, one pass) and 8 modules at k = 32 (8 MiB each, 12 passes for SmolLM2's 90).
+# The gram is never held whole beside the model: at k = 32 it was 755 MB, 1.14x the peak RSS of a
+# plain training step (benchmarks/RESULTS.md §10).
+GRAM_SLAB_BYTES = 64 << 20
+READ_BYTES = 32 << 20  # float64 bytes of a slab's columns read back, and summed, at once
+
+
+def _eigen(mean_gram: np.ndarray) -> tuple:
+    # eigh of a mean second moment; rounding can leave tiny negative eigenvalues, which are 0.
+    w, v = np.linalg.eigh(mean_gram)
+    return np.clip(w, 0.0, None), v
+
+
+def write_statistics(
+    group: zarr.Group,
+    read: Callable[[int, int, int, int], torch.Tensor],
+    keep: np.ndarray,
+    blocks: Sequence[Dict[str, Any]],
+    width: int,
+    chunk: int,
+    damping: Optional[float] = None,
+) -> None:
+    """Write (or replace) the `statistics` subgroup of an index group opened for writing, from the
+    rows stored in it: `read(lo, hi, a, b)` returns rows lo..hi-1 of module blocks a..b-1 as a reader
+    decodes them (float32 [hi - lo, (b - a)·s], or [hi - lo, D] when a, b = 0, M), `keep` [N] bool
+    marks the counted rows (`counted`, and complete), `chunk` is the grads chunk's rows. With
+    `damping`, also each row's whitened module norms at that damping (module docstring: why).
+
+    One pass over the rows per slab of modules (GRAM_SLAB_BYTES of gram at a time), and where
+    whitened norms are written, one more: pass p sums slab p's gram and writes slab p-1's whitened
+    norms, whose factors the end of pass p-1 made. So memory is a slab, not the M·k⁴ gram, and the
+    statistics are a function of the stored rows alone, however many runs wrote them.
+    """
+    stats = group.require_group(STATISTICS_GROUP)
+    stats.attrs.pop(WHITENED_DAMPING, None)  # first: the whitened norms are of the old statistics
+    for name in list(stats.array_keys()):
+        del stats[name]
+    modules, count = len(blocks), int(keep.sum())
+    size = gram_block_size(blocks, width)
+    sumsq = np.zeros(width)
+    if size is None:  # no gram: one pass for the per-coordinate sums
+        for lo in range(0, len(keep), chunk):
+            hi = min(lo + chunk, len(keep))
+            _add_sumsq(sumsq, read(lo, hi, 0, modules)[torch.from_numpy(keep[lo:hi])])
+        stats.create_array("sumsq", data=sumsq)
+        stats.attrs["rows"] = count
+        return
+    per_slab = min(modules, max(1, GRAM_SLAB_BYTES // (size * size * 8)))
+    slabs = [(a, min(a + per_slab, modules)) for a in range(0, modules, per_slab)]
+    # The eigenvectors are stored uncompressed: zstd keeps 95% of their bytes (69% of a gram's) and
+    # would be a third of the close's time.
+    shape, chunks = (modules, size, size), (1, size, size)
+    grams = stats.create_array("gram", shape=shape, chunks=chunks, dtype=np.float64)
+    eigvecs = stats.create_array("eigvecs", shape=shape, chunks=chunks, dtype=np.float64, compressors=None)
+    eigvals = np.empty((modules, size))
+    norms = None
+    if damping is not None:
+        norms = stats.create_array(
+            WHITENED_NORMS, shape=(len(keep), modules), chunks=(chunk, modules), dtype=np.float32, fill_value=0.0
+        )
+    # Rows read at once: READ_BYTES of the widest read's columns in float64, in whole chunks.
+    step = max(chunk, READ_BYTES // (2 * per_slab * size * 8) // chunk * chunk)
+    whitening: Optional[Tuple[int, int, torch.Tensor]] = None  # (a, b, factors [b - a, s, s]) for this pass's norms
+    for p in range(len(slabs) + (norms is not None)):
+        gram_slab = slabs[p] if p < len(slabs) else None
+        a = whitening[0] if whitening is not None else gram_slab[0]
+        b = gram_slab[1] if gram_slab is not None else whitening[1]
+        gram = None if gram_slab is None else np.zeros((gram_slab[1] - gram_slab[0], size, size))
+        for lo in range(0, len(keep), step):
+            hi = min(lo + step, len(keep))
+            rows = read(lo, hi, a, b)
+            if gram_slab is not None:
+                columns = rows[:, (gram_slab[0] - a) * size :][torch.from_numpy(keep[lo:hi])]
+                _add_sumsq(sumsq[gram_slab[0] * size : gram_slab[1] * size], columns)
+                _add_gram(gram, columns, size)
+            if whitening is not None:
+                wa, wb, factors = whitening
+                mine = rows[:, : (wb - wa) * size]
+                norms[lo:hi, wa:wb] = np.concatenate(
+                    [
+                        module_norms(whiten(mine[r : r + ADD_ROWS], factors), blocks[wa:wb]).numpy()
+                        for r in range(0, hi - lo, ADD_ROWS)
+                    ]
+                )
+        whitening = None
+        if gram_slab is not None:
+            ga, gb = gram_slab
+            grams[ga:gb] = gram
+            factors = np.empty((gb - ga, size, size), dtype=np.float32) if norms is not None else None
+            for m in range(ga, gb):
+                # The eigendecomposition of the mean second moment, once per index: a query's
+                # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
+                eigvals[m], vectors = _eigen(gram[m - ga] / max(count, 1))
+                eigvecs[m] = vectors
+                if factors is not None:
+                    factors[m - ga] = whitening_factor(eigvals[m], vectors, damping)
+            if factors is not None:
+                whitening = (ga, gb, torch.from_numpy(factors))
+    stats.create_array("sumsq", data=sumsq)
+    stats.create_array("eigvals", data=eigvals)
+    stats.attrs["rows"] = count
+    if norms is not None:
+        stats.attrs[WHITENED_DAMPING] = damping  # last: only a finished close makes the norms valid
+
+
+def _add_sumsq(sumsq: np.ndarray, rows: torch.Tensor) -> None:
+    # Into float64 sums ADD_ROWS rows at a time: a float64 copy of many rows whole is a large temporary.
+    for lo in range(0, len(rows), ADD_ROWS):
+        sumsq += rows[lo : lo + ADD_ROWS].to(torch.float64).square().sum(dim=0).numpy()
+
+
+def _add_gram(gram: np.ndarray, rows: torch.Tensor, size: int) -> None:
+    # Into each module's gram in place: an einsum over the modules would make a gram-sized temporary.
+    target = torch.from_numpy(gram)
+    for lo in range(0, len(rows), ADD_ROWS):
+        part = rows[lo : lo + ADD_ROWS]
+        for m in range(len(gram)):
+            block = part[:, m * size : (m + 1) * size].to(torch.float64)
+            target[m].addmm_(block.T, block)
 
 
 @dataclass
 class RowStatistics:
-    """Sums over counted rows. `count` rows; `sumsq` float64 [D]; `gram` float64 [M, s, s] or None."""
+    """Sums over counted rows, as stored (`load`) or summed by a reader over an index written
+    without them (`add`). `count` rows; `sumsq` float64 [D]; `gram` float64 [M, s, s] or None."""
 
     count: int
     sumsq: np.ndarray
@@ -136,69 +256,15 @@ class RowStatistics:
 
     def add(self, rows: torch.Tensor) -> None:
         """Add rows [n, D] (the counted ones only: the caller drops empty and non-finite rows)."""
-        # ADD_ROWS rows at a time: a chunk of narrow rows holds 65,536 of them, and its float64
-        # copy and squares whole were 40 MB of temporaries at every flush (benchmarks/RESULTS.md §9).
-        for lo in range(0, len(rows), ADD_ROWS):
-            part = rows[lo : lo + ADD_ROWS].detach().to(torch.float64)
-            self.count += len(part)
-            self.sumsq += part.square().sum(dim=0).numpy()
-            if self.gram is not None:
-                # Into the gram in place, a module at a time: an einsum over all modules would make a
-                # temporary of the gram's size (47 MB for the MLP at k = 16) at every flush.
-                gram, size = torch.from_numpy(self.gram), self.gram.shape[1]
-                for m in range(len(gram)):
-                    block = part[:, m * size : (m + 1) * size]
-                    gram[m].addmm_(block.T, block)
-
-    def __add__(self, other: "RowStatistics") -> "RowStatistics":
-        gram = None if self.gram is None or other.gram is None else self.gram + other.gram
-        return RowStatistics(self.count + other.count, self.sumsq + other.sumsq, gram)
-
-    def save(self, group: zarr.Group, damping: Optional[float] = None) -> Optional[np.ndarray]:
-        """Write (or replace) the `statistics` subgroup of an index group opened for writing.
-
-        Returns the whitening factors at `damping` ([M, s, s] float32, `whitening_factor`) when
-        `damping` is given and gram is kept, else None.
-        """
-        stats = group.require_group(STATISTICS_GROUP)
-        stats.attrs.pop(WHITENED_DAMPING, None)  # first: the whitened norms are of the old statistics
-        for name in list(stats.array_keys()):
-            del stats[name]
-        stats.create_array("sumsq", data=self.sumsq)
-        factors = None
+        self.count += len(rows)
+        _add_sumsq(self.sumsq, rows)
         if self.gram is not None:
-            # The eigendecomposition of the mean second moment, once per index: a query's
-            # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
-            # The eigenvectors a slab of modules at a time (about 4 MiB), so that closing an index
-            # costs one slab's temporaries beside the gram (47 MB for the MLP at k = 16), not an
-            # array of the gram's size. They are stored uncompressed: zstd keeps 95% of their bytes
-            # (69% of a gram's) and would be a third of the close's time.
-            blocks, size = self.gram.shape[:2]
-            chunks = (1, size, size)
-            stats.create_array("gram", data=self.gram, chunks=chunks)
-            eigvecs = stats.create_array(
-                "eigvecs", shape=self.gram.shape, chunks=chunks, dtype=np.float64, compressors=None
-            )
-            eigvals = np.empty((blocks, size))
-            factors = np.empty(self.gram.shape, dtype=np.float32) if damping is not None else None
-            slab = max(1, SLAB_BYTES // (size * size * 8))
-            for lo in range(0, blocks, slab):
-                hi = min(lo + slab, blocks)
-                vectors = np.empty((hi - lo, size, size))
-                for m in range(lo, hi):
-                    eigvals[m], vectors[m - lo] = self.module_eigen(m)
-                    if factors is not None:
-                        factors[m] = whitening_factor(eigvals[m], vectors[m - lo], damping)
-                eigvecs[lo:hi] = vectors
-            stats.create_array("eigvals", data=eigvals)
-        stats.attrs["rows"] = int(self.count)
-        return factors
+            _add_gram(self.gram, rows, self.gram.shape[1])
 
     def module_eigen(self, m: int) -> tuple:
         """(eigvals [s] float64 clipped at 0, eigvecs [s, s] float64) of module m's mean second
         moment gram[m] / count."""
-        w, v = np.linalg.eigh(self.gram[m] / max(self.count, 1))
-        return np.clip(w, 0.0, None), v
+        return _eigen(self.gram[m] / max(self.count, 1))
 
     def eigen(self) -> tuple:
         """`module_eigen` of every module: (eigvals [M, s], eigvecs [M, s, s]) float64."""

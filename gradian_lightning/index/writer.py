@@ -35,14 +35,11 @@ from gradian_lightning.index.layout import (
 )
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
-    ADD_ROWS,
     STATISTICS_GROUP,
     WHITENED_DAMPING,
-    WHITENED_NORMS,
     WHITENED_NORMS_DAMPING,
-    RowStatistics,
     counted,
-    whiten,
+    write_statistics,
 )
 
 
@@ -101,7 +98,6 @@ class IndexWriter:
         # append: this run's num_rows rows go after the `offset` rows of the complete index at path
         # (`_open_to_append`); `write` and `todo` then speak of this run's rows, 0 .. num_rows - 1.
         self.append, self.offset = append, 0
-        self._base_statistics: Optional[RowStatistics] = None
         self._old_ids: Optional[Tuple[np.ndarray, np.ndarray]] = None
         # The spec's one record of the storage dtype is what this writer encodes with.
         spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
@@ -132,14 +128,6 @@ class IndexWriter:
         self.kept_rows = int(self.done[self.offset :].sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
         self.nonfinite_rows: List[int] = []
-        # Second moments of the rows this writer flushes; rows complete before it started are
-        # read back on close instead (statistics.py: why that never double-counts).
-        self.statistics = RowStatistics.empty(module_blocks(self.meta), width)
-        self._done_before = self.done.copy()
-        if self._base_statistics is not None:
-            # Appending to a complete index: its stored statistics are exactly those of its rows,
-            # and this run's rows are added into them in the order a build over all rows would add them.
-            self.statistics, self._done_before[:] = self._base_statistics, False
 
     @property
     def todo(self) -> np.ndarray:
@@ -266,7 +254,6 @@ class IndexWriter:
                     array[self.offset :] = np.full(self.num_rows - self.offset, ROW_ARRAYS[name][1], dtype=array.dtype)
         if has_member(group, STATISTICS_GROUP, zarr.Group):
             group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)  # its whitened norms are of the old rows only
-        self._base_statistics = RowStatistics.load(group)
         self._old_ids = self._id_hashes(group, self.offset)
         group.attrs[ATTRIBUTE] = self.meta
         return group
@@ -358,7 +345,7 @@ class IndexWriter:
         # marked complete whose data is not on disk.
         block = np.stack([rows[i][0][0] for i in order])
         scales = np.stack([rows[i][0][1] for i in order]) if self.storage_dtype == "int8" else None
-        # What a reader will see: norms and statistics are of these values.
+        # What a reader will see: the norms (and, read back at close, the statistics) are of these values.
         decoded = decode(block, self.storage_dtype, scales=scales, blocks=self.blocks)
         self._set("grads", where, block)
         if scales is not None:  # before `complete`, like the row itself
@@ -370,24 +357,13 @@ class IndexWriter:
             self._set(name, where, np.asarray(values, dtype=ROW_ARRAYS[name][0]))
         self._set("complete", where, np.ones(len(order), dtype=bool))
         self.done[order] = True
-        keep = counted(np.asarray(columns[4]), np.asarray(columns[2]))
-        self.statistics.add(decoded[torch.from_numpy(keep)])
 
-    def _statistics_before(self) -> RowStatistics:
-        """Statistics of the rows that were complete before this writer started, read from disk."""
-        stats = RowStatistics.empty(module_blocks(self.meta), self.width)
-        for lo in np.unique(np.flatnonzero(self._done_before) // self.chunk * self.chunk):
-            hi = min(lo + self.chunk, self.num_rows)
-            keep = self._done_before[lo:hi] & counted(
-                self.group["finite"][lo:hi], self.group["supervised_tokens"][lo:hi]
-            )
-            stats.add(self._decoded(lo, hi)[torch.from_numpy(keep)])
-        return stats
-
-    def _decoded(self, lo: int, hi: int) -> torch.Tensor:
-        """float32 rows lo..hi-1 as written, read back from disk."""
-        scales = self.group[SCALES][lo:hi] if self.storage_dtype == "int8" else None
-        return decode(self.group["grads"][lo:hi], self.storage_dtype, scales=scales, blocks=self.blocks)
+    def _decoded(self, lo: int, hi: int, a: int, b: int) -> torch.Tensor:
+        """float32 rows lo..hi-1 of module blocks a..b-1 as written, read back from disk."""
+        blocks = self.blocks[a:b]
+        first, last = int(blocks[0]["offset"]), int(blocks[-1]["offset"]) + int(blocks[-1]["size"])
+        scales = self.group[SCALES][lo:hi, a:b] if self.storage_dtype == "int8" else None
+        return decode(self.group["grads"][lo:hi, first:last], self.storage_dtype, scales=scales, blocks=blocks)
 
     def _set(self, name: str, where: slice | np.ndarray, values: np.ndarray) -> None:
         array = self.group[name]
@@ -395,29 +371,6 @@ class IndexWriter:
             array[where] = values
         else:
             array.oindex[where] = values
-
-    def _store_whitened_norms(self, factors: torch.Tensor) -> None:
-        """One pass over the rows: each module block's norm after whitening by `factors` [M, s, s]
-        at the default damping (statistics.py: why). The attribute that makes them valid is written last."""
-        stats = self.group[STATISTICS_GROUP]
-        norms = stats.create_array(
-            WHITENED_NORMS,
-            shape=(self.num_rows, len(self.blocks)),
-            chunks=self.group[NORMS].chunks,
-            dtype=np.float32,
-            fill_value=0.0,
-        )
-        for lo in range(0, self.num_rows, self.chunk):
-            hi = min(lo + self.chunk, self.num_rows)
-            rows = self._decoded(lo, hi)
-            # Whitened ADD_ROWS rows at a time: a chunk's float32 copies whole are a few times its bytes.
-            norms[lo:hi] = np.concatenate(
-                [
-                    module_norms(whiten(rows[a : a + ADD_ROWS], factors), self.blocks)
-                    for a in range(0, hi - lo, ADD_ROWS)
-                ]
-            )
-        stats.attrs[WHITENED_DAMPING] = WHITENED_NORMS_DAMPING
 
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
         """Flush every buffered row, store the row statistics (and, once every row is written, the
@@ -427,11 +380,16 @@ class IndexWriter:
                 for c in sorted(self._pending):
                     self._flush(c)
                 complete = bool(self.done.all())
-                # Summed with the rows from before only when there were any: each gram is M·k⁴ float64 (47 MB for the MLP at k = 16).
-                stats = self.statistics + self._statistics_before() if self._done_before.any() else self.statistics
-                factors = stats.save(self.group, WHITENED_NORMS_DAMPING if complete and self.store_norms else None)
-                if factors is not None:
-                    self._store_whitened_norms(torch.from_numpy(factors))
+                keep = self.done & counted(self.group["finite"][:], self.group["supervised_tokens"][:])
+                write_statistics(
+                    self.group,
+                    self._decoded,
+                    keep,
+                    self.blocks,
+                    self.width,
+                    self.chunk,
+                    WHITENED_NORMS_DAMPING if complete and self.store_norms else None,
+                )
                 self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
         finally:
             self._release()

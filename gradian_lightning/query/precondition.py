@@ -147,7 +147,7 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
         raise ConfigError(
             f"setting 'query.precondition'={precondition} needs module blocks of equal size at most {GRAM_MAX_SIZE} (grads.projection_dim <= 32) but the index at {str(index.path)!r} has none; use query.precondition=diag"
         )
-    w, v = (group["eigvals"][:], group["eigvecs"][:]) if cached else stats.eigen()
+    w, v = (group["eigvals"][:], group["eigvecs"]) if cached else stats.eigen()
     if stats.count < w.shape[1] and precondition == "fisher":
         warnings.warn(
             f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions",
