@@ -66,16 +66,20 @@ def statistics_bytes(blocks: Sequence[Dict[str, Any]], width: int, rows: int) ->
     return total
 
 
-def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
-    """(F + λI)^-½ [s, s] float32 of one module from F's eigendecomposition (eigvals [s] >= 0,
-    eigvecs [s, s]); λ = `damping` × the mean eigenvalue. A module whose rows are all zero (mean
-    eigenvalue 0) gets the identity: nothing to whiten."""
+def whitening_scales(eigvals: np.ndarray, damping: float) -> Optional[np.ndarray]:
+    """(w + λ)^-½ [s] float64 of one module from F's eigenvalues w [s] >= 0, λ = `damping` × their
+    mean; None for a module whose rows are all zero (mean eigenvalue 0): nothing to whiten."""
     level = eigvals.mean()
-    if level <= 0:
+    return None if level <= 0 else 1.0 / np.sqrt(eigvals + damping * level)
+
+
+def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
+    """(F + λI)^-½ = V diag((w + λ)^-½) Vᵀ [s, s] float32 of one module from F's eigendecomposition
+    (eigvals w [s] >= 0, eigvecs V [s, s]), `whitening_scales`; the identity for an all-zero module."""
+    scales = whitening_scales(eigvals, damping)
+    if scales is None:
         return np.eye(len(eigvals), dtype=np.float32)
-    return ((eigvecs * (1.0 / np.sqrt(eigvals + damping * level))) @ eigvecs.T).astype(
-        np.float32
-    )  # V diag((w + λ)^-½) Vᵀ
+    return ((eigvecs * scales) @ eigvecs.T).astype(np.float32)
 
 
 def kronecker_whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
@@ -117,12 +121,14 @@ def whiten(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
 
 
 ADD_ROWS = 4096  # rows RowStatistics.add converts to float64 at once
-# Second moments summed at once while an index closes (float64): 64 MiB is every module of the MLP
-# at k = 16 (47 MB, one pass) and 8 modules at k = 32 (8 MiB each, 12 passes for SmolLM2's 90).
-# The gram is never held whole beside the model: at k = 32 it was 755 MB, 1.14x the peak RSS of a
-# plain training step (benchmarks/RESULTS.md §10).
-GRAM_SLAB_BYTES = 64 << 20
-READ_BYTES = 32 << 20  # float64 bytes of a slab's columns read back, and summed, at once
+# Second moments summed at once while an index closes (float64): 32 modules at k = 16 (3 passes for
+# SmolLM2's 90 MLP modules), 2 at k = 32 (8 MiB each, 45 passes). The gram is never held whole
+# beside the model: at k = 32 it was 755 MB, 1.14x the peak RSS of a plain training step, and a
+# 64 MiB slab still lifted the close 0.18 GiB above the capture's own peak (benchmarks/RESULTS.md
+# §10). A pass rereads the rows (from the page cache, for an index that fits in memory) but decodes
+# and multiplies only its slab's columns: the multiply-adds are the same however the modules are split.
+GRAM_SLAB_BYTES = 16 << 20
+READ_BYTES = 16 << 20  # float64 bytes of a slab's columns read back, and summed, at once
 
 
 def _eigen(mean_gram: np.ndarray) -> tuple:
@@ -180,7 +186,8 @@ def write_statistics(
         )
     # Rows read at once: READ_BYTES of the widest read's columns in float64, in whole chunks.
     step = max(chunk, READ_BYTES // (2 * per_slab * size * 8) // chunk * chunk)
-    whitening: Optional[Tuple[int, int, torch.Tensor]] = None  # (a, b, factors [b - a, s, s]) for this pass's norms
+    # (a, b, eigenvectors [b - a, s, s], (w + λ)^-½ [(b - a)·s]) of the slab whose norms this pass writes
+    whitening: Optional[Tuple[int, int, torch.Tensor, torch.Tensor]] = None
     for p in range(len(slabs) + (norms is not None)):
         gram_slab = slabs[p] if p < len(slabs) else None
         a = whitening[0] if whitening is not None else gram_slab[0]
@@ -194,28 +201,34 @@ def write_statistics(
                 _add_sumsq(sumsq[gram_slab[0] * size : gram_slab[1] * size], columns)
                 _add_gram(gram, columns, size)
             if whitening is not None:
-                wa, wb, factors = whitening
+                wa, wb, basis, scales = whitening
                 mine = rows[:, : (wb - wa) * size]
+                # |(F + λI)^-½ r| = |diag((w + λ)^-½) Vᵀ r|: V is orthogonal, so no s×s factor is made.
                 norms[lo:hi, wa:wb] = np.concatenate(
                     [
-                        module_norms(whiten(mine[r : r + ADD_ROWS], factors), blocks[wa:wb]).numpy()
+                        module_norms(whiten(mine[r : r + ADD_ROWS], basis) * scales, blocks[wa:wb]).numpy()
                         for r in range(0, hi - lo, ADD_ROWS)
                     ]
                 )
-        whitening = None
+        whitening = None  # freed before the next slab's is made
         if gram_slab is not None:
             ga, gb = gram_slab
             grams[ga:gb] = gram
-            factors = np.empty((gb - ga, size, size), dtype=np.float32) if norms is not None else None
+            basis = np.empty((gb - ga, size, size), dtype=np.float32) if norms is not None else None
+            scales = np.ones((gb - ga, size), dtype=np.float32)
             for m in range(ga, gb):
                 # The eigendecomposition of the mean second moment, once per index: a query's
                 # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
                 eigvals[m], vectors = _eigen(gram[m - ga] / max(count, 1))
                 eigvecs[m] = vectors
-                if factors is not None:
-                    factors[m - ga] = whitening_factor(eigvals[m], vectors, damping)
-            if factors is not None:
-                whitening = (ga, gb, torch.from_numpy(factors))
+                if basis is not None:
+                    scale = whitening_scales(eigvals[m], damping)
+                    # An all-zero module is not whitened: the identity basis with unit scales.
+                    basis[m - ga] = vectors if scale is not None else np.eye(size)
+                    if scale is not None:
+                        scales[m - ga] = scale
+            if basis is not None:
+                whitening = (ga, gb, torch.from_numpy(basis), torch.from_numpy(scales).reshape(-1))
     stats.create_array("sumsq", data=sumsq)
     stats.create_array("eigvals", data=eigvals)
     stats.attrs["rows"] = count
