@@ -162,10 +162,11 @@ class IndexReader:
         for lo in range(0, len(self), step):
             yield lo, self.stored(lo, min(lo + step, len(self)))
 
-    def statistics(self, gram: bool = True) -> RowStatistics:
-        """The row statistics stored by the writer (without `gram` when false); for an index
-        written before they existed, one pass over its rows."""
-        stored = RowStatistics.load(self.group, gram)
+    def statistics(self) -> RowStatistics:
+        """The row statistics stored by the writer (count and sums; the second moments' eigen-
+        decomposition is in the same subgroup); for an index whose writer never closed, one pass
+        over its rows, gram included."""
+        stored = RowStatistics.load(self.group)
         if stored is not None:
             return stored
         stats = RowStatistics.empty(self.module_blocks, int(self.meta["width"]))

@@ -2,10 +2,10 @@
 
     index.path/statistics/           zarr group, attribute "rows" = rows counted
       sumsq   [D] f64                Σ_rows r_j²: per-coordinate sums of squares
-      gram    [M, s, s] f64          Σ_rows R_mᵀR_m per module block m of size s = k² (present only
-                                     when every block has one size s <= GRAM_MAX_SIZE)
-      eigvals [M, s] f64, eigvecs [M, s, s] f64   the eigendecomposition of gram / rows, cached
-                                     once so that any `query.damping` costs one small matmul
+      eigvals [M, s] f64, eigvecs [M, s, s] f32   the eigendecomposition of each module's mean
+                                     second moment F_m = Σ_rows R_mᵀR_m / rows (module blocks of one
+                                     size s = k² <= GRAM_MAX_SIZE only): any `query.damping` then
+                                     costs one small matmul, F_m = V diag(w) Vᵀ
       whitened_norms [N, M] f32      |(F_m + λI)^-½ r_m| of each row and module at λ = the default
                                      query.damping (attribute "whitened_damping"), written by the
                                      writer when the index is complete; attribute last, so a close
@@ -19,8 +19,10 @@ Counted rows are the stored values (decoded from the storage dtype, so a query p
 exactly what it reads) of complete rows that are finite and have at least one supervised token.
 
 Why they are read back from disk at close (`write_statistics`) rather than summed while rows
-arrive: the gram is M·k⁴ float64, 755 MB for SmolLM2's MLP at k = 32, and summed a slab of modules
-per pass it never sits whole beside the model. And being a function of the complete rows on disk,
+arrive: the sums Σ R_mᵀR_m are M·k⁴ float64, 755 MB for SmolLM2's MLP at k = 32, and summed a slab
+of modules per pass they never sit whole beside the model. Only their eigendecomposition is
+stored, the vectors in float32 (what whitening multiplies in anyway): 377 MB there, where the sums
+and float64 vectors beside them were 1.5 GB. And being a function of the complete rows on disk,
 the statistics are the same however many killed, resumed or appending runs wrote those rows.
 Ranks never double-count either: their rows are gathered to the one writer on rank 0.
 """
@@ -36,8 +38,8 @@ import zarr
 
 from gradian_lightning.index.layout import equal_block_size, has_member, module_norms
 
-# gram is s² float64 per module: 8 MiB per module at k = 32 (s = 1024). Beyond that (k = 64:
-# 128 MiB per module) only the per-coordinate sums are kept, and `fisher` is not available.
+# A module's second moment is s² float64 while it is summed: 8 MiB at k = 32 (s = 1024). Beyond that
+# (k = 64: 128 MiB a module) only the per-coordinate sums are kept, and `fisher` is not available.
 GRAM_MAX_SIZE = 1024
 STATISTICS_GROUP = "statistics"  # the zarr subgroup of the index root group that holds them
 WHITENED_NORMS = "whitened_norms"
@@ -56,13 +58,13 @@ def gram_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[in
 
 def statistics_bytes(blocks: Sequence[Dict[str, Any]], width: int, rows: int) -> int:
     """Bytes the `statistics` group of an index of `rows` rows holds, before compression: sumsq
-    [D] float64, and where gram is kept, gram and eigvecs [M, s, s] float64, eigvals [M, s] float64
-    and whitened_norms [rows, M] float32. Fixed but for the last: 16·M·s² bytes, 94 MB for 90
-    modules at k = 16 (s = 256), 1.5 GB at k = 32."""
+    [D] float64, and where second moments are kept, eigvecs [M, s, s] float32, eigvals [M, s]
+    float64 and whitened_norms [rows, M] float32. Fixed but for the last: about 4·M·s² bytes,
+    377 MB for 90 modules at k = 32 (s = 1,024), 24 MB at k = 16."""
     size = gram_block_size(blocks, width)
     total = width * 8
     if size is not None:
-        total += 2 * len(blocks) * size * size * 8 + len(blocks) * size * 8 + rows * len(blocks) * 4
+        total += len(blocks) * size * size * 4 + len(blocks) * size * 8 + rows * len(blocks) * 4
     return total
 
 
@@ -110,7 +112,7 @@ def whitening_factors(eigvals: np.ndarray, eigvecs: Any, damping: float, kroneck
     # a module at a time, not as another [M, s, s] float64 array (755 MB for the MLP at k = 32).
     factor = kronecker_whitening_factor if kronecker else whitening_factor
     for m in range(len(eigvals)):
-        factors[m] = factor(eigvals[m], np.asarray(eigvecs[m]), damping)
+        factors[m] = factor(eigvals[m], np.asarray(eigvecs[m], dtype=np.float64), damping)
     return factors
 
 
@@ -173,11 +175,11 @@ def write_statistics(
         return
     per_slab = min(modules, max(1, GRAM_SLAB_BYTES // (size * size * 8)))
     slabs = [(a, min(a + per_slab, modules)) for a in range(0, modules, per_slab)]
-    # The eigenvectors are stored uncompressed: zstd keeps 95% of their bytes (69% of a gram's) and
-    # would be a third of the close's time.
-    shape, chunks = (modules, size, size), (1, size, size)
-    grams = stats.create_array("gram", shape=shape, chunks=chunks, dtype=np.float64)
-    eigvecs = stats.create_array("eigvecs", shape=shape, chunks=chunks, dtype=np.float64, compressors=None)
+    # The eigenvectors are stored uncompressed: zstd keeps 95% of their bytes and would be a third
+    # of the close's time.
+    eigvecs = stats.create_array(
+        "eigvecs", shape=(modules, size, size), chunks=(1, size, size), dtype=np.float32, compressors=None
+    )
     eigvals = np.empty((modules, size))
     norms = None
     if damping is not None:
@@ -213,13 +215,13 @@ def write_statistics(
         whitening = None  # freed before the next slab's is made
         if gram_slab is not None:
             ga, gb = gram_slab
-            grams[ga:gb] = gram
             basis = np.empty((gb - ga, size, size), dtype=np.float32) if norms is not None else None
             scales = np.ones((gb - ga, size), dtype=np.float32)
             for m in range(ga, gb):
                 # The eigendecomposition of the mean second moment, once per index: a query's
                 # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
                 eigvals[m], vectors = _eigen(gram[m - ga] / max(count, 1))
+                vectors = vectors.astype(np.float32)  # as stored: the norms are of what queries whiten with
                 eigvecs[m] = vectors
                 if basis is not None:
                     scale = whitening_scales(eigvals[m], damping)
@@ -254,8 +256,9 @@ def _add_gram(gram: np.ndarray, rows: torch.Tensor, size: int) -> None:
 
 @dataclass
 class RowStatistics:
-    """Sums over counted rows, as stored (`load`) or summed by a reader over an index written
-    without them (`add`). `count` rows; `sumsq` float64 [D]; `gram` float64 [M, s, s] or None."""
+    """Sums over counted rows: `count` rows; `sumsq` float64 [D]; `gram` float64 [M, s, s] or None.
+    As stored (`load`: the gram is not, its eigendecomposition is), or summed by a reader over an
+    index written without them (`add`)."""
 
     count: int
     sumsq: np.ndarray
@@ -287,14 +290,13 @@ class RowStatistics:
         return w, v
 
     @classmethod
-    def load(cls, group: zarr.Group, gram: bool = True) -> Optional["RowStatistics"]:
-        """The statistics stored in an index group (without `gram` when false: it is M·k⁴ float64),
-        or None when it has none (written before they existed)."""
+    def load(cls, group: zarr.Group) -> Optional["RowStatistics"]:
+        """The count and sums stored in an index group (the gram is not stored: its `eigvals` and
+        `eigvecs` are, in the same subgroup), or None when it has none (a writer that never closed)."""
         if not has_member(group, STATISTICS_GROUP, zarr.Group):
             return None
         stats = group[STATISTICS_GROUP]
-        gram = stats["gram"][:] if gram and "gram" in stats.array_keys() else None
-        return cls(int(stats.attrs["rows"]), stats["sumsq"][:], gram)
+        return cls(int(stats.attrs["rows"]), stats["sumsq"][:], None)
 
 
 def counted(finite: np.ndarray, supervised: np.ndarray) -> np.ndarray:

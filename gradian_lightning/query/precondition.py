@@ -73,10 +73,10 @@ def _damping(damping: float) -> float:
 
 
 # Counted rows per dimension of a module's k²×k² second moment before `auto` trusts fisher with it.
-# The N sweep of benchmarks/studies/lds_sets (k = 16, k² = 256): from 256 rows (1 per dimension)
-# up, fisher with a whole-row cosine had raw LDS at or above ekfac's on every set but facts-2048
-# (0.099 against 0.106, a tenth of a standard error), and centred LDS above it on all; at 80 rows
-# (SmolLM2, 0.3 per dimension) F is mostly damping and ekfac led (+0.401 against +0.355).
+# The N sweep of benchmarks/studies/lds_sets at the default k = 32 (k² = 1,024; docs/configuration.md,
+# "Choosing the scoring"): from 1,024 rows up, fisher with a whole-row cosine led ekfac on every set
+# (facts-2048: +0.096 against +0.055); below, fisher fell under 0 where ekfac held (shared, 0.5 rows
+# per dimension: -0.031 against +0.098; SmolLM2, 0.08: +0.277 against +0.400). The same held at k = 16.
 # ekfac needs k² numbers a module where fisher needs k⁴.
 FISHER_ROWS_PER_DIMENSION = 1
 AUTO_FEW_ROWS = "ekfac"
@@ -108,9 +108,10 @@ def resolved_spec(index: IndexReader, spec: QuerySpec) -> QuerySpec:
     (`resolve`), and for query.normalize=auto a whole-row cosine under fisher, per-module otherwise.
 
     Whitened by the full F, modules are on one scale and a whole-row cosine lets the modules that
-    moved most weigh most: it led per-module cosine under fisher on 5 of 7 LDS sets (format +0.101
-    against +0.080, facts-4096 +0.039 against +0.024). Under ekfac, diag or none, module scales
-    differ and per-module cosine keeps one from outvoting the rest (SmolLM2: +0.401 against +0.365)."""
+    moved most weigh most (k = 16: it led per-module cosine under fisher on 5 of 7 LDS sets, format
+    +0.101 against +0.080; k = 32: level, facts-4096 +0.135 against +0.126). Under ekfac, diag or
+    none, module scales differ and per-module cosine keeps one from outvoting the rest (SmolLM2 at
+    k = 32: +0.400 against +0.363)."""
     precondition = resolve(index, spec.precondition)
     normalize = spec.normalize
     if normalize == "auto":
@@ -126,7 +127,7 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
     damping = _damping(damping)
     group = index.group[STATISTICS_GROUP] if has_member(index.group, STATISTICS_GROUP, zarr.Group) else None
     cached = group is not None and "eigvecs" in group.array_keys()  # the writer's eigendecomposition of F
-    stats = index.statistics(gram=not cached)  # with it cached, the gram itself is never read
+    stats = index.statistics()
     blocks = module_blocks(index.meta)
     if stats.count == 0:
         warnings.warn(
