@@ -1,4 +1,4 @@
-"""Render the generated blocks of benchmarks/RESULTS.md and RANKING.md from the result files.
+"""Render the generated blocks of benchmarks/RESULTS.md, RANKING.md and docs/configuration.md from the result files.
 
     PYTHONPATH=. python -m benchmarks.tables           # rewrite every block in place
     PYTHONPATH=. python -m benchmarks.tables --check   # exit 1 naming the stale files (tests/test_benchmark_tables.py)
@@ -21,7 +21,7 @@ from typing import Callable, Dict
 from benchmarks.common import render_result
 
 HERE = Path(__file__).resolve().parent
-DOCUMENTS = (HERE / "RESULTS.md", HERE / "RANKING.md")
+DOCUMENTS = (HERE / "RESULTS.md", HERE / "RANKING.md", HERE.parent / "docs" / "configuration.md")
 BLOCK = re.compile(r"(<!-- generated: (?P<source>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 
@@ -47,18 +47,52 @@ def _index_formats() -> str:
     return f"Command: `{result['command']}`\n\nMachine: {result['machine']}\n\n{report(result)}"
 
 
+FORMATS_FOLDER = HERE / "studies" / "lds_sets" / "formats"
+
+
+def _formats_results() -> list:
+    return [json.loads(p.read_text()) for p in sorted(FORMATS_FOLDER.glob("*.json"))]
+
+
 def _lds_formats() -> str:
     from benchmarks.studies.lds_sets.common import formats_side_by_side
 
-    folder = HERE / "studies" / "lds_sets" / "formats"
-    results = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    results = _formats_results()
     commands = "\n".join(f"    {r['command']}" for r in results)
-    return f"Commands (one a set; `--report --results {folder.relative_to(HERE.parent)}` prints every table):\n\n{commands}\n\n{formats_side_by_side(results)}"
+    return f"Commands (one a set; `--report --results {FORMATS_FOLDER.relative_to(HERE.parent)}` prints every table):\n\n{commands}\n\n{formats_side_by_side(results)}"
+
+
+def _auto_sweep() -> str:
+    from benchmarks.studies.lds_sets.common import auto_sweep
+
+    return auto_sweep(_formats_results(), "k32-int8")
+
+
+# The defaults, the default before them, the other projected scorers a default could be, and exact gradients.
+WORST_SET_PICKS = (
+    ("query.* settings", "k32-int8"),
+    ("query.* settings", "k16-float16"),
+    ("precondition=ekfac, normalize=module", "k32-int8"),
+    ("precondition=fisher, normalize=row", "k32-int8"),
+    ("precondition=diag, normalize=module", "k32-int8"),
+    ("precondition=none, normalize=module", "k32-int8"),
+    ("precondition=none, score=inner", "exact"),
+    ("precondition=none, normalize=row", "exact"),
+    ("precondition=none, normalize=module", "exact"),
+)
+
+
+def _worst_sets() -> str:
+    from benchmarks.studies.lds_sets.common import worst_sets
+
+    return worst_sets(_formats_results(), WORST_SET_PICKS)
 
 
 REPORTS: Dict[str, Callable[[], str]] = {
     "index formats": _index_formats,
     "lds formats": _lds_formats,
+    "lds auto sweep": _auto_sweep,
+    "lds worst sets": _worst_sets,
     "lds seeds": _lds_seeds,
     "peer_kronfluence fact": _peer_kronfluence("fact"),
     "peer_kronfluence newword": _peer_kronfluence("newword"),

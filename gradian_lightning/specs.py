@@ -99,8 +99,10 @@ class IndexSpec:
     """
 
     module_filter: Tuple[str, ...] = DEFAULT_MODULE_FILTER
-    projection_dim: Optional[int] = 16
-    storage_dtype: str = "float16"
+    # k = 32 in int8 (issue 29): four times k = 16's dimensions at twice its bytes, the better
+    # format on the worst LDS set (docs/configuration.md, "Choosing the scoring").
+    projection_dim: Optional[int] = 32
+    storage_dtype: str = "int8"
     seed: int = 0
     recompute: str = "mlp"
     loss_chunk_tokens: Optional[int] = None

@@ -20,7 +20,7 @@ from gradian_lightning.gradients.memory import human_bytes
 from gradian_lightning.gradients.projection import KroneckerProjector
 from gradian_lightning.gradients.recompute import recomputed_units
 
-# hidden 32, MLP 64 wide, 2 layers: every MLP matrix has both sides >= 16, the default projection_dim.
+# hidden 32, MLP 64 wide, 2 layers: every MLP matrix has both sides >= 32, the default projection_dim.
 LLAMA_LIKE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
@@ -78,13 +78,14 @@ def test_index_then_query_at_the_default_filter(arch, saved_models, tmp_path, ca
     index = open_index(tmp_path / "ix")
     # What `gradian index` predicted before the first batch (recipes/plan.py) is what it wrote.
     group = zarr.open_group(str(tmp_path / "ix"))
-    written = group["grads"].nbytes + group["norms"].nbytes + sum(a.nbytes for a in group["statistics"].array_values())
+    written = sum(group[name].nbytes for name in ("grads", "norms", "scales"))
+    written += sum(a.nbytes for a in group["statistics"].array_values())
     assert f"-> {human_bytes(written)} predicted for" in capsys.readouterr().out.splitlines()[0]
     # The default filter names the MLP block by its role: this architecture's own MLP matrices, nothing else.
     assert [b["name"] for b in index.meta["modules"]] == mlp_names(arch)
     assert index.meta["spec"]["module_filter"] == ["mlp"] and index.meta["complete"]
     rows = index.rows(slice(None))
-    assert rows.shape == (len(ROWS), 16 * 16 * len(mlp_names(arch))) and rows.isfinite().all() and rows.abs().sum() > 0
+    assert rows.shape == (len(ROWS), 32 * 32 * len(mlp_names(arch))) and rows.isfinite().all() and rows.abs().sum() > 0
     out_file = tmp_path / "results.jsonl"
     assert main(["query", *common, f"query.data={train}", f"query.top_k={len(ROWS)}", f"query.output={out_file}"]) == 0
     results = [json.loads(line) for line in out_file.read_text().splitlines()]

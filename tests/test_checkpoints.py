@@ -173,7 +173,7 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
         arrays += sum(a.nbytes for a in group["statistics"].array_values())
     predicted = [line for line in out if "predicted for" in line]
     assert predicted == [
-        f"gradian index: {len(rows)} rows × 2 checkpoints × 6 modules, row width 1,536 (float32) -> {human_bytes(arrays)} predicted for {tmp_path / 'ix'}"
+        f"gradian index: {len(rows)} rows × 2 checkpoints × 6 modules, row width 6,144 (float32) -> {human_bytes(arrays)} predicted for {tmp_path / 'ix'}"
     ]
     whole = Location(tmp_path / "ix").bytes_on_disk()
     assert out[1:4] == [

@@ -25,22 +25,23 @@ def test_index_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, capsys):
     # before the first batch: rows, modules, row width and the predicted size: the bytes of the arrays it then wrote
     # (rows, norms and statistics, uncompressed; the per-row flags and zarr's metadata are not counted)
     rows, modules = len(ROWS) + 1, 2 * 3  # the default filter: gate, up and down projections of 2 layers
-    width = modules * 16 * 16
+    width = modules * 32 * 32  # the default projection_dim, 32
     group = zarr.open_group(str(tmp_path / "ix"))
-    written = group["grads"].nbytes + group["norms"].nbytes + sum(a.nbytes for a in group["statistics"].array_values())
+    written = sum(group[name].nbytes for name in ("grads", "norms", "scales"))
+    written += sum(a.nbytes for a in group["statistics"].array_values())
     assert "whitened_norms" in group["statistics"].array_keys()
     assert (
         out.splitlines()[0]
-        == f"gradian index: {rows} rows × {modules} modules, row width {width:,} (float16) -> {human_bytes(written)} predicted for {tmp_path / 'ix'}"
+        == f"gradian index: {rows} rows × {modules} modules, row width {width:,} (int8) -> {human_bytes(written)} predicted for {tmp_path / 'ix'}"
     )
     assert f"{len(ROWS) + 1}/{len(ROWS) + 1} rows written" in out and "(complete)" in out
     assert "completions cut by grads.max_seq_length: 1 (12.5%)" in out
     grads = zarr.open_group(str(tmp_path / "ix"))["grads"]
-    assert grads.shape == (len(ROWS) + 1, width) and str(grads.dtype) == "float16"
+    assert grads.shape == (len(ROWS) + 1, width) and str(grads.dtype) == "int8"
     meta = zarr.open_group(str(tmp_path / "ix")).attrs["gradian"]
     # Each setting is stored once: the spec's under "spec", the rest of grads.* in the config.
     assert meta["config"]["grads"] == {"batch_size": 3, "max_seq_length": 24}
-    assert meta["spec"]["storage_dtype"] == "float16" and meta["spec"]["projection_dim"] == 16
+    assert meta["spec"]["storage_dtype"] == "int8" and meta["spec"]["projection_dim"] == 32
     assert not {"projection", "indexer", "identity", "storage_dtype"} & set(meta)
 
 

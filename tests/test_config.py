@@ -9,7 +9,7 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
     path.write_text("grads:\n  batch_size: 8\n  module_filter: [q_proj, v_proj]\n")
     cfg = load_config(path, ["grads.batch_size=2", "grads.projection_dim=null", "trainer.precision=bf16-mixed"])
     assert cfg.grads.batch_size == 2 and cfg.grads.projection_dim is None
-    assert list(cfg.grads.module_filter) == ["q_proj", "v_proj"] and cfg.grads.storage_dtype == "float16"
+    assert list(cfg.grads.module_filter) == ["q_proj", "v_proj"] and cfg.grads.storage_dtype == "int8"
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "auto"
 
 

@@ -68,16 +68,16 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     )
     assert plan["truncated_rows"] == 1 and plan["empty_rows"] == 0
     # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms), plus the row statistics:
-    # sumsq [D] f64, gram and eigvecs [M, k², k²] f64, eigvals [M, k²] f64, whitened norms [rows, M] f32;
-    # 2 layers' gate, up and down projections, k = 16
-    m, n = 2 * 3, len(rows)
-    stats = m * 256 * 8 + 2 * m * 256 * 256 * 8 + m * 256 * 8 + n * m * 4
+    # sumsq [D] f64, eigvecs [M, k², k²] f32, eigvals [M, k²] f64, whitened norms [rows, M] f32;
+    # 2 layers' gate, up and down projections, k = 32 (the default): k² = 1,024
+    m, n, s = 2 * 3, len(rows), 32 * 32
+    stats = m * s * 8 + m * s * s * 4 + m * s * 8 + n * m * 4
     assert plan["index"]["statistics_bytes"] == stats
     assert plan["index"]["bytes_by_storage_dtype"] == {
-        "float32": n * (m * 256 * 4 + m * 4) + stats,
-        "float16": n * (m * 256 * 2 + m * 4) + stats,
-        "bfloat16": n * (m * 256 * 2 + m * 4) + stats,
-        "int8": n * (m * 256 + m * 4 + m * 4) + stats,  # and a float32 scale per module
+        "float32": n * (m * s * 4 + m * 4) + stats,
+        "float16": n * (m * s * 2 + m * 4) + stats,
+        "bfloat16": n * (m * s * 2 + m * 4) + stats,
+        "int8": n * (m * s + m * 4 + m * 4) + stats,  # and a float32 scale per module
     }
 
 

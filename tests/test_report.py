@@ -41,8 +41,8 @@ def test_token_terms_in_the_results_sum_to_each_score(reported):
         for r in entry["results"] + entry["opponents"]:
             terms = [t for t in r["terms"] if t is not None]
             assert terms and sum(terms) == pytest.approx(
-                r["score"], rel=1e-2, abs=1e-4
-            )  # storage float16 rounds the ranked score
+                r["score"], rel=5e-2, abs=1e-4
+            )  # the default storage, int8, rounds the ranked score (at float16 it was within 1%)
 
 
 def test_the_page_is_self_contained_and_shows_every_result(reported):

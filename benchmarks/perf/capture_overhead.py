@@ -4,7 +4,7 @@ Each variant runs in its own fresh process (so its peak RSS is its own), and the
 interleaved, with the order rotated every repeat, so that drift on a shared machine hits all alike:
   - plain:  full logits, fp32 cross-entropy summed over supervised tokens, `loss.backward()`
             (parameter .grad filled, as a training step would), no optimizer step;
-  - index:  `trainer.validate` with a `GradientIndexer` (projection_dim 16, float16 storage) writing
+  - index:  `trainer.validate` with a `GradientIndexer` (the default projection_dim and storage dtype) writing
             a zarr index, for module_filter down_proj / all MLP / all Linear at the default
             `recompute="mlp"` (each MLP block run again in the backward), and with `_keep`
             (recompute="none": every activation kept) or `_layers` (every decoder layer run again).
@@ -41,6 +41,7 @@ from benchmarks.common import (
     synthetic_examples,
     write_result,
 )
+from gradian_lightning.specs import IndexSpec
 
 FILTERS = {
     "down_proj": "down_proj",
@@ -55,10 +56,10 @@ RECOMPUTE_SUFFIXES = {
 
 def _variant(name: str, projection_dim: int) -> tuple:
     """(module filter patterns, recompute, projection_dim, storage_dtype) of an index variant such as
-    `down_proj_keep`, or `mlp@k32-int8` for another index format (issue 29's candidates) than k =
-    `projection_dim` in float16."""
+    `down_proj_keep`, or `mlp@k16-float16` for another index format (issue 29's candidates) than k =
+    `projection_dim` in the default storage dtype."""
     name, _, fmt = name.partition("@")
-    storage = "float16"
+    storage = IndexSpec().storage_dtype
     if fmt:
         dim, storage = fmt.split("-")
         projection_dim = int(dim.lstrip("k"))
@@ -159,7 +160,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--projection-dim", type=int, default=16)
+    parser.add_argument("--projection-dim", type=int, default=None, help="k (default: grads.projection_dim's default)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -178,6 +179,8 @@ def main() -> None:
         "--out", default=None, help="directory for the JSON result and figure (default benchmarks/results)"
     )
     args = parser.parse_args()
+    if args.projection_dim is None:
+        args.projection_dim = IndexSpec().projection_dim
     if args.child:
         return child(args)
     pyplot()  # without the bench extra, stop before measuring
@@ -279,7 +282,7 @@ def main() -> None:
         "peak RSS ratio",
     ]
     text = (
-        f"projection_dim {args.projection_dim}, storage float16 (a variant's @kK-DTYPE: k = K in DTYPE), {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; "
+        f"projection_dim {args.projection_dim}, storage {IndexSpec().storage_dtype} (a variant's @kK-DTYPE: k = K in DTYPE), {args.threads} torch thread(s) per process; medians of {repeats} interleaved fresh-process runs per variant; "
         + "; ".join(f"{k}: {b} batches × {bs} rows × {s} tokens" for k, (b, bs, s) in settings.items())
         + "."
     )

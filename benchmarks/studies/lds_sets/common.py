@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -438,4 +438,80 @@ def formats_side_by_side(
                     f"| {name} | {scorer} | {row['format']} | {row['lds']:+.3f} ± {row['standard_error']:.3f} | "
                     f"{row['centred_lds']:+.3f} ± {row['centred_standard_error']:.3f} | {recall} | {mrr} | {row['lds_spread']:.3f} | {best} |"
                 )
+    return "\n".join(lines) + "\n"
+
+
+SWEEP_SCORERS = (
+    ("ekfac, per module", "precondition=ekfac, normalize=module"),
+    ("fisher, per module", "precondition=fisher, normalize=module"),
+    ("fisher, whole row", "precondition=fisher, normalize=row"),
+)
+
+
+def auto_sweep(results: List[Dict[str, Any]], fmt: str) -> str:
+    """A Markdown table: the N sweep behind `query.precondition=auto` at one index format `fmt`
+    ("k32-int8"): per set, in order of rows per dimension of F (N / k²), the seed-averaged raw LDS
+    (± standard error over queries) of SWEEP_SCORERS, the best of them in bold, the set's best
+    exact scorer and its raw noise ceiling."""
+    k = int(fmt.split("-")[0].lstrip("k"))
+    lines = [
+        "| set | N (rows per k²) | "
+        + " | ".join(label for label, _ in SWEEP_SCORERS)
+        + " | best exact | noise ceiling |",
+        "|---|---|" + "---|" * (len(SWEEP_SCORERS) + 2),
+    ]
+    for result in sorted(results, key=lambda r: (r["spec"]["rows"], set_name(r))):
+        averaged = seed_averaged(result)
+        found = {r["scorer"]: r for r in averaged if r.get("format") == fmt}
+        picked = [found[name] for _, name in SWEEP_SCORERS]
+        top = max(r["lds"] for r in picked)
+        cells = [
+            f"{'**' if r['lds'] == top else ''}{r['lds']:+.3f} ± {r['standard_error']:.3f}{'**' if r['lds'] == top else ''}"
+            for r in picked
+        ]
+        rows = result["spec"]["rows"]
+        ceiling = result["indexes"]["exact"].get("ceiling")
+        best = max((r for r in averaged if r["index"] == "exact"), key=lambda r: r["lds"])
+        lines.append(
+            f"| {set_name(result)} | {rows:,} ({rows / k**2:.2g}) | "
+            + " | ".join(cells)
+            + f" | {best['lds']:+.3f} ({best['scorer'].replace('precondition=none, ', '')}) | "
+            + (f"{ceiling['lds']:+.3f}" if ceiling else "")
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def worst_sets(results: List[Dict[str, Any]], picks: Sequence[Tuple[str, str]]) -> str:
+    """A Markdown table: for each (scorer, format) in `picks` ("exact" for the exact index), the
+    worst over the sets of its raw LDS as a share of the set's best exact scorer's (the sets whose
+    raw ceiling is clearly above 0 only, `raw_ceiling_above_zero`), its worst centred LDS, R@10
+    and MRR, each naming its set: choosing a default by the worst set, in one line a scorer."""
+    lines = [
+        "| scorer | index | worst raw / best exact | worst centred LDS | worst R@10 | worst MRR |",
+        "|---|---|---|---|---|---|",
+    ]
+    for scorer, fmt in picks:
+        shares, centred, recalls, mrrs = {}, {}, {}, {}
+        for result in results:
+            name, averaged = set_name(result), seed_averaged(result)
+            best = max(r["lds"] for r in averaged if r["index"] == "exact")
+            row = next(
+                r
+                for r in averaged
+                if r["scorer"] == scorer and (r["index"] == "exact" if fmt == "exact" else r.get("format") == fmt)
+            )
+            if raw_ceiling_above_zero(result):
+                shares[name] = row["lds"] / best
+            centred[name] = row["centred_lds"]
+            if "mrr" in row:
+                recalls[name], mrrs[name] = row["recall@10"], row["mrr"]
+
+        def worst(values: Dict[str, float], spec: str) -> str:
+            name = min(values, key=values.__getitem__)
+            return f"{values[name]:{spec}} ({name})"
+
+        lines.append(
+            f"| {scorer} | {fmt} | {worst(shares, '.2f')} | {worst(centred, '+.3f')} | {worst(recalls, '.2f')} | {worst(mrrs, '.2f')} |"
+        )
     return "\n".join(lines) + "\n"
