@@ -9,8 +9,8 @@ per stored byte. A Kronecker projection of G is linear in G, so projecting the e
 what capture would store (up to float rounding); the draws are N(0, 1/k), as gradients/projection.py
 draws them, from this study's own generator.
 
-Candidates, each at its bytes per module (today: k = 16 in float16, 512 bytes):
-    kron-k{K}-f16      today's format at k = K (K² values, 2 bytes each)
+Candidates, each at its bytes per module (against k = 16 in float16, 512 bytes, the default when it was run):
+    kron-k{K}-f16      a Kronecker factor at k = K in float16 (K² values, 2 bytes each)
     kron-k{K}-int8     the same in int8 with one float32 absmax scale per module block (QLESS-style)
     kron-k{K}-sjlt{D}  a wider Kronecker factor (K² values) then a sparse JL map (s = 4 nonzeros a
                        column, ±1/√s) down to D values, float16 (FactGraSS-style)
@@ -230,7 +230,7 @@ def report(result: Dict) -> str:
     for cell in result["cells"]:
         by.setdefault(cell["candidate"], []).append(cell)
     lines = [
-        "| candidate | bytes per module (× today) | module r: worst / mean | row ρ: worst / mean | cosine ρ: worst / mean |",
+        "| candidate | bytes per module (× k16-f16) | module r: worst / mean | row ρ: worst / mean | cosine ρ: worst / mean |",
         "|---|---|---|---|---|",
     ]
     for cand, cells in by.items():
