@@ -110,3 +110,29 @@ def test_an_index_without_statistics_is_read_in_one_pass(tmp_path):
     writer.close()
     del zarr.open_group(str(tmp_path / "ix"), mode="r+")["statistics"]  # as a writer that never closed leaves it
     check_sums(open_index(tmp_path / "ix").statistics())
+
+
+def test_a_close_killed_half_way_leaves_statistics_that_readers_ignore_and_a_rerun_replaces(tmp_path, monkeypatch):
+    monkeypatch.setattr(statistics, "GRAM_SLAB_BYTES", 4 * 4 * 8)  # one module a slab: the first is written
+    calls = []
+
+    def dies_on_the_second_module(mean):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return eigen(mean)
+
+    eigen = statistics._eigen
+    monkeypatch.setattr(statistics, "_eigen", dies_on_the_second_module)
+    writer = IndexWriter(tmp_path / "ix", N, D, "float16", META)
+    write(writer, range(N))
+    with pytest.raises(KeyboardInterrupt):
+        writer.close()
+    index = open_index(tmp_path / "ix")
+    assert "eigvecs" in index.group["statistics"].array_keys()  # half written ...
+    assert statistics.finished_statistics(index.group) is None and index.whitened_damping is None
+    check_sums(index.statistics())  # ... so the reader sums its own from the rows
+    monkeypatch.setattr(statistics, "_eigen", eigen)
+    rerun = IndexWriter(tmp_path / "ix", N, D, "float16", META)
+    assert rerun.kept_rows == N and rerun.close()
+    check(open_index(tmp_path / "ix"))

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.index.layout import equal_block_size, has_member, module_norms
+from gradian_lightning.index.layout import equal_block_size, module_norms
 
 # A module's second moment is s² float64 while it is summed: 8 MiB at k = 32 (s = 1024). Beyond that
 # (k = 64: 128 MiB a module) only the per-coordinate sums are kept, and `fisher` is not available.
@@ -156,11 +156,16 @@ def write_statistics(
 
     One pass over the rows per slab of modules (GRAM_SLAB_BYTES of gram at a time), and where
     whitened norms are written, one more: pass p sums slab p's gram and writes slab p-1's whitened
-    norms, whose factors the end of pass p-1 made. So memory is a slab, not the M·k⁴ gram, and the
-    statistics are a function of the stored rows alone, however many runs wrote them.
+    norms, from the eigenvectors the end of pass p-1 made. So memory is a slab, not the M·k⁴ gram,
+    and the statistics are a function of the stored rows alone, however many runs wrote them.
+
+    The "rows" attribute is written after every array (`finished_statistics`): a close killed
+    half-way leaves statistics that readers ignore, summing their own from the rows instead.
     """
     stats = group.require_group(STATISTICS_GROUP)
-    stats.attrs.pop(WHITENED_DAMPING, None)  # first: the whitened norms are of the old statistics
+    # First: the old arrays are of other rows, and from here until the end they are half written.
+    stats.attrs.pop(WHITENED_DAMPING, None)
+    stats.attrs.pop("rows", None)
     for name in list(stats.array_keys()):
         del stats[name]
     modules, count = len(blocks), int(keep.sum())
@@ -238,6 +243,13 @@ def write_statistics(
         stats.attrs[WHITENED_DAMPING] = damping  # last: only a finished close makes the norms valid
 
 
+def finished_statistics(group: zarr.Group) -> Optional[zarr.Group]:
+    """The `statistics` subgroup of an index group, if a writer's close finished writing it (its
+    "rows" attribute, written after the arrays); None if there is none or it was cut short."""
+    stats = group.get(STATISTICS_GROUP)
+    return stats if isinstance(stats, zarr.Group) and "rows" in stats.attrs else None
+
+
 def _add_sumsq(sumsq: np.ndarray, rows: torch.Tensor) -> None:
     # Into float64 sums ADD_ROWS rows at a time: a float64 copy of many rows whole is a large temporary.
     for lo in range(0, len(rows), ADD_ROWS):
@@ -292,10 +304,11 @@ class RowStatistics:
     @classmethod
     def load(cls, group: zarr.Group) -> Optional["RowStatistics"]:
         """The count and sums stored in an index group (the gram is not stored: its `eigvals` and
-        `eigvecs` are, in the same subgroup), or None when it has none (a writer that never closed)."""
-        if not has_member(group, STATISTICS_GROUP, zarr.Group):
+        `eigvecs` are, in the same subgroup), or None when it has none (a writer that never closed,
+        or whose close was killed)."""
+        stats = finished_statistics(group)
+        if stats is None:
             return None
-        stats = group[STATISTICS_GROUP]
         return cls(int(stats.attrs["rows"]), stats["sumsq"][:], None)
 
 

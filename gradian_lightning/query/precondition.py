@@ -26,14 +26,13 @@ from dataclasses import replace
 from typing import Optional
 
 import torch
-import zarr
 
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.index.layout import has_member, module_blocks
+from gradian_lightning.index.layout import module_blocks
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.index.statistics import (
     GRAM_MAX_SIZE,
-    STATISTICS_GROUP,
+    finished_statistics,
     gram_block_size,
     whiten,
     whitening_factors,
@@ -83,10 +82,9 @@ AUTO_FEW_ROWS = "ekfac"
 
 
 def counted_rows(index: IndexReader) -> Optional[int]:
-    """How many rows the index's statistics counted (None for an index written before they existed)."""
-    if not has_member(index.group, STATISTICS_GROUP, zarr.Group):
-        return None
-    return int(index.group[STATISTICS_GROUP].attrs["rows"])
+    """How many rows the index's statistics counted (None where no close finished writing them)."""
+    stats = finished_statistics(index.group)
+    return None if stats is None else int(stats.attrs["rows"])
 
 
 def resolve(index: IndexReader, precondition: str) -> str:
@@ -125,7 +123,7 @@ def preconditioner(index: IndexReader, precondition: str, damping: float) -> Opt
     if precondition == "none":
         return None
     damping = _damping(damping)
-    group = index.group[STATISTICS_GROUP] if has_member(index.group, STATISTICS_GROUP, zarr.Group) else None
+    group = finished_statistics(index.group)
     cached = group is not None and "eigvecs" in group.array_keys()  # the writer's eigendecomposition of F
     stats = index.statistics()
     blocks = module_blocks(index.meta)
