@@ -91,11 +91,13 @@ def test_one_module_a_pass_equals_all_at_once(tmp_path, monkeypatch):
     assert writer.close()
     monkeypatch.setattr(statistics, "GRAM_SLAB_BYTES", 4 * 4 * 8)  # one 4x4 float64 gram: a pass per module
     monkeypatch.setattr(statistics, "READ_BYTES", 1)  # one chunk of rows per read
+    monkeypatch.setattr(statistics, "NORM_ROWS", 8)  # whitened norms in chunks of two reads: 8 + 3 rows
     writer = IndexWriter(tmp_path / "slabs", N, D, "float16", META)
     write(writer, range(N))
     assert writer.close()
     check(open_index(tmp_path / "slabs"))
     whole, slabs = open_index(tmp_path / "whole"), open_index(tmp_path / "slabs")
+    assert slabs.group["statistics"]["whitened_norms"].chunks == (8, 1)
     assert slabs.whitened_damping == whole.whitened_damping is not None
     torch.testing.assert_close(slabs.whitened_norms(0, N), whole.whitened_norms(0, N), rtol=1e-6, atol=0)
     for name in ("eigvals", "eigvecs"):

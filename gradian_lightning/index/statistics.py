@@ -130,7 +130,10 @@ ADD_ROWS = 4096  # rows RowStatistics.add converts to float64 at once
 # §10). A pass rereads the rows (from the page cache, for an index that fits in memory) but decodes
 # and multiplies only its slab's columns: the multiply-adds are the same however the modules are split.
 GRAM_SLAB_BYTES = 16 << 20
-READ_BYTES = 16 << 20  # float64 bytes of a slab's columns read back, and summed, at once
+# A read of rows at close: at most this many bytes of stored rows (zarr reads whole grads chunks,
+# every column) and of the float64 copies of its slabs' columns.
+READ_BYTES = 16 << 20
+NORM_ROWS = 4096  # rows of a whitened_norms chunk, at least (whole reads of rows: no chunk is rewritten)
 
 
 def _eigen(mean_gram: np.ndarray) -> tuple:
@@ -146,13 +149,15 @@ def write_statistics(
     blocks: Sequence[Dict[str, Any]],
     width: int,
     chunk: int,
+    row_bytes: int,
     damping: Optional[float] = None,
 ) -> None:
     """Write (or replace) the `statistics` subgroup of an index group opened for writing, from the
     rows stored in it: `read(lo, hi, a, b)` returns rows lo..hi-1 of module blocks a..b-1 as a reader
     decodes them (float32 [hi - lo, (b - a)·s], or [hi - lo, D] when a, b = 0, M), `keep` [N] bool
-    marks the counted rows (`counted`, and complete), `chunk` is the grads chunk's rows. With
-    `damping`, also each row's whitened module norms at that damping (module docstring: why).
+    marks the counted rows (`counted`, and complete), `chunk` and `row_bytes` are the grads array's
+    rows per chunk and bytes per stored row. With `damping`, also each row's whitened module norms
+    at that damping (module docstring: why).
 
     One pass over the rows per slab of modules (GRAM_SLAB_BYTES of gram at a time), and where
     whitened norms are written, one more: pass p sums slab p's gram and writes slab p-1's whitened
@@ -168,18 +173,20 @@ def write_statistics(
     stats.attrs.pop("rows", None)
     for name in list(stats.array_keys()):
         del stats[name]
-    modules, count = len(blocks), int(keep.sum())
+    num_rows, modules, count = len(keep), len(blocks), int(keep.sum())
     size = gram_block_size(blocks, width)
     sumsq = np.zeros(width)
     if size is None:  # no gram: one pass for the per-coordinate sums
-        for lo in range(0, len(keep), chunk):
-            hi = min(lo + chunk, len(keep))
+        for lo in range(0, num_rows, chunk):
+            hi = min(lo + chunk, num_rows)
             _add_sumsq(sumsq, read(lo, hi, 0, modules)[torch.from_numpy(keep[lo:hi])])
         stats.create_array("sumsq", data=sumsq)
         stats.attrs["rows"] = count
         return
     per_slab = min(modules, max(1, GRAM_SLAB_BYTES // (size * size * 8)))
     slabs = [(a, min(a + per_slab, modules)) for a in range(0, modules, per_slab)]
+    # Rows a read takes: whole grads chunks, READ_BYTES of them stored and of two slabs in float64.
+    step = max(1, min(READ_BYTES // row_bytes, READ_BYTES // (2 * per_slab * size * 8)) // chunk) * chunk
     # The eigenvectors are stored uncompressed: zstd keeps 95% of their bytes and would be a third
     # of the close's time.
     eigvecs = stats.create_array(
@@ -188,11 +195,15 @@ def write_statistics(
     eigvals = np.empty((modules, size))
     norms = None
     if damping is not None:
+        # A chunk is whole reads of rows by one slab of modules, so each is written once, whole.
+        rows_per_chunk = -(-NORM_ROWS // step) * step
         norms = stats.create_array(
-            WHITENED_NORMS, shape=(len(keep), modules), chunks=(chunk, modules), dtype=np.float32, fill_value=0.0
+            WHITENED_NORMS,
+            shape=(num_rows, modules),
+            chunks=(rows_per_chunk, per_slab),
+            dtype=np.float32,
+            fill_value=0.0,
         )
-    # Rows read at once: READ_BYTES of the widest read's columns in float64, in whole chunks.
-    step = max(chunk, READ_BYTES // (2 * per_slab * size * 8) // chunk * chunk)
     # (a, b, eigenvectors [b - a, s, s], (w + λ)^-½ [(b - a)·s]) of the slab whose norms this pass writes
     whitening: Optional[Tuple[int, int, torch.Tensor, torch.Tensor]] = None
     for p in range(len(slabs) + (norms is not None)):
@@ -200,8 +211,9 @@ def write_statistics(
         a = whitening[0] if whitening is not None else gram_slab[0]
         b = gram_slab[1] if gram_slab is not None else whitening[1]
         gram = None if gram_slab is None else np.zeros((gram_slab[1] - gram_slab[0], size, size))
-        for lo in range(0, len(keep), step):
-            hi = min(lo + step, len(keep))
+        written, pending = 0, []  # whitened norms of rows written..lo-1, not yet in a whole chunk
+        for lo in range(0, num_rows, step):
+            hi = min(lo + step, num_rows)
             rows = read(lo, hi, a, b)
             if gram_slab is not None:
                 columns = rows[:, (gram_slab[0] - a) * size :][torch.from_numpy(keep[lo:hi])]
@@ -211,12 +223,13 @@ def write_statistics(
                 wa, wb, basis, scales = whitening
                 mine = rows[:, : (wb - wa) * size]
                 # |(F + λI)^-½ r| = |diag((w + λ)^-½) Vᵀ r|: V is orthogonal, so no s×s factor is made.
-                norms[lo:hi, wa:wb] = np.concatenate(
-                    [
-                        module_norms(whiten(mine[r : r + ADD_ROWS], basis) * scales, blocks[wa:wb]).numpy()
-                        for r in range(0, hi - lo, ADD_ROWS)
-                    ]
-                )
+                pending += [
+                    module_norms(whiten(mine[r : r + ADD_ROWS], basis) * scales, blocks[wa:wb]).numpy()
+                    for r in range(0, hi - lo, ADD_ROWS)
+                ]
+                if hi % norms.chunks[0] == 0 or hi == num_rows:
+                    norms[written:hi, wa:wb] = np.concatenate(pending)
+                    written, pending = hi, []
         whitening = None  # freed before the next slab's is made
         if gram_slab is not None:
             ga, gb = gram_slab

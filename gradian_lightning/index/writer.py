@@ -388,6 +388,7 @@ class IndexWriter:
                     self.blocks,
                     self.width,
                     self.chunk,
+                    self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
                     WHITENED_NORMS_DAMPING if complete and self.store_norms else None,
                 )
                 self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
