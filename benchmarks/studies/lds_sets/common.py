@@ -91,6 +91,9 @@ class SetSpec:
     max_seq_length: int = 40
     seeds: List[int] = field(default_factory=lambda: [0, 1, 2])  # projection draws
     formats: List[str] = field(default_factory=lambda: list(FORMATS))  # keys of FORMATS
+    # scorers (query.* overrides) scored beside PROJECTED on each projected index: a rescoring of
+    # the same indexes and retrained subsets, e.g. a query.damping sweep
+    extra_scorers: List[Dict[str, Any]] = field(default_factory=list)
     base: Optional[str] = None  # a pretrained base (SmolLM2) instead of a tiny one
     exact_filter: Optional[List[str]] = None  # exact index on fewer modules (SmolLM2's MLP is 885 K values a module)
     seed: int = 0
@@ -240,7 +243,7 @@ def measure(
     # The retraining happens in the first validate call; later calls find every run on disk.
     for label, scorers, more in [
         *(
-            (f"projected-{f}-seed{s}", PROJECTED, {**FORMATS[f], "grads.seed": str(s)})
+            (f"projected-{f}-seed{s}", PROJECTED + spec.extra_scorers, {**FORMATS[f], "grads.seed": str(s)})
             for f in spec.formats
             for s in spec.seeds
         ),

@@ -65,6 +65,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--formats", nargs="+", choices=sorted(FORMATS), help="projected index formats (default: all of FORMATS)"
     )
+    parser.add_argument(
+        "--scorers",
+        type=json.loads,
+        default=[],
+        help="more scorers for the projected indexes, a JSON list of query.* overrides, e.g. '[{\"damping\": 3}]'",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the figures")
     parser.add_argument(
         "--work", type=Path, help="models, indexes and retrained subsets (default /tmp/gradian-lds-sets/NAME)"
@@ -87,6 +93,7 @@ def main(argv=None) -> int:
     spec = spec_for(args.kind, args.rows or DEFAULT_ROWS[args.kind], args.smoke)
     if args.formats:
         spec.formats = args.formats
+    spec.extra_scorers = args.scorers
     if args.learning_rate is not None:
         spec.learning_rate, spec.variant = args.learning_rate, f"-lr{args.learning_rate:g}"
     rows, queries, base_rows = GENERATORS[args.kind](spec.rows, spec.queries, spec.seed, spec.base_rows)
