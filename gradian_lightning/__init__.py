@@ -20,7 +20,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       layout.py                the one description of the on-disk layout, encoding, chunking
       location.py              index.path -> zarr store: a local directory or an fsspec URL (s3://, gs://, ...)
       writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
-      statistics.py            per-module RᵀR and per-coordinate sums of squares, gathered while writing
+      statistics.py            per-coordinate sums of squares and the eigendecomposition of each module's RᵀR, read back at close
       checkpoints.py           several checkpoints (step, learning rate) of one model in one index
     gradients/                 the gradient path, plain torch: no Lightning, no zarr
       capture.py               select_modules, LinearCapture (hooks on the selected nn.Linear and Conv1D modules)
@@ -45,6 +45,7 @@ One batch, indexing:
             LinearCapture hooks on   ->  supervised_token_loss [B] fp32  ->  autograd.grad to the
             module outputs (no parameter .grad)  ->  KroneckerProjector  ->  rows [B, D] float32
       --IndexSession.write--> index.writer.IndexWriter--> zarr `grads` rows and their per-module `norms` at their dataset positions, flags last
+      --IndexWriter.close--> index.statistics.write_statistics: the rows read back, a slab of modules a pass --> `statistics/`
 
 One query:
     JSONL rows --query.rows.query_gradients (the same GradientRows, with the modules and
