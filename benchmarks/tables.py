@@ -88,9 +88,19 @@ def _worst_sets() -> str:
     return worst_sets(_formats_results(), WORST_SET_PICKS)
 
 
+def _lds_damping() -> str:
+    from benchmarks.studies.lds_sets.common import damping_sweep
+
+    folder = HERE / "studies" / "lds_sets" / "damping"
+    results = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    commands = "\n".join(f"    {r['command']}" for r in results)
+    return f"Commands (one a set, on the work folders of the formats runs above):\n\n{commands}\n\n{damping_sweep(results, 'k32-int8')}"
+
+
 REPORTS: Dict[str, Callable[[], str]] = {
     "index formats": _index_formats,
     "lds formats": _lds_formats,
+    "lds damping": _lds_damping,
     "lds auto sweep": _auto_sweep,
     "lds worst sets": _worst_sets,
     "lds seeds": _lds_seeds,

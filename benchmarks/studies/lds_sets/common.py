@@ -518,3 +518,46 @@ def worst_sets(results: List[Dict[str, Any]], picks: Sequence[Tuple[str, str]]) 
             f"| {scorer} | {fmt} | {worst(shares, '.2f')} | {worst(centred, '+.3f')} | {worst(recalls, '.2f')} | {worst(mrrs, '.2f')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def damping_sweep(results: List[Dict[str, Any]], fmt: str) -> str:
+    """A Markdown table: per set, the default scorer at format `fmt` at each query.damping that
+    `--scorers` added ("damping=X" beside "query.* settings", whose damping is the default):
+    raw LDS with its share of the set's best exact scorer, centred LDS and MRR; then the worst of
+    each over the sets (raw share: the sets whose raw ceiling is clearly above 0 only)."""
+    from gradian_lightning.specs import QuerySpec
+
+    default = f"damping={QuerySpec().damping:g} (default)"
+    columns: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    best: Dict[str, float] = {}
+    informative: Dict[str, bool] = {}
+    for result in sorted(results, key=lambda r: (r["spec"]["rows"], set_name(r))):
+        name, averaged = set_name(result), seed_averaged(result)
+        best[name] = max(r["lds"] for r in averaged if r["index"] == "exact")
+        informative[name] = raw_ceiling_above_zero(result)
+        for row in averaged:
+            if row.get("format") != fmt:
+                continue
+            if row["scorer"] == "query.* settings":
+                columns.setdefault(default, {})[name] = row
+            elif row["scorer"].startswith("damping="):
+                columns.setdefault(row["scorer"], {})[name] = row
+    order = sorted(columns, key=lambda c: float(c.split("=")[1].split()[0]))
+    lines = [
+        "| set | " + " | ".join(f"{c}: raw (share) / centred / MRR" for c in order) + " |",
+        "|---|" + "---|" * len(order),
+    ]
+    for name in best:
+        cells = [
+            f"{r['lds']:+.3f} ({r['lds'] / best[name]:.2f}) / {r['centred_lds']:+.3f} / {r['mrr']:.2f}"
+            for r in (columns[c][name] for c in order)
+        ]
+        lines.append(f"| {name}{'' if informative[name] else ' (raw ceiling ~0)'} | " + " | ".join(cells) + " |")
+    worst = []
+    for c in order:
+        share = min(columns[c][n]["lds"] / best[n] for n in best if informative[n])
+        centred = min(columns[c][n]["centred_lds"] for n in best)
+        mrr = min(columns[c][n]["mrr"] for n in best)
+        worst.append(f"**{share:.2f} / {centred:+.3f} / {mrr:.2f}**")
+    lines.append("| worst | " + " | ".join(worst) + " |")
+    return "\n".join(lines) + "\n"
