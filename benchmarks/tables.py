@@ -47,25 +47,30 @@ def _index_formats() -> str:
     return f"Command: `{result['command']}`\n\nMachine: {result['machine']}\n\n{report(result)}"
 
 
-FORMATS_FOLDER = HERE / "studies" / "lds_sets" / "formats"
+LDS_SETS = HERE / "studies" / "lds_sets"
 
 
-def _formats_results() -> list:
-    return [json.loads(p.read_text()) for p in sorted(FORMATS_FOLDER.glob("*.json"))]
+def _lds_results(folder: str) -> list:
+    """The result files of benchmarks/studies/lds_sets/<folder>, one a set, in name order."""
+    return [json.loads(p.read_text()) for p in sorted((LDS_SETS / folder).glob("*.json"))]
+
+
+def _commands(results: list) -> str:
+    return "\n".join(f"    {r['command']}" for r in results)
 
 
 def _lds_formats() -> str:
     from benchmarks.studies.lds_sets.common import formats_side_by_side
 
-    results = _formats_results()
-    commands = "\n".join(f"    {r['command']}" for r in results)
-    return f"Commands (one a set; `--report --results {FORMATS_FOLDER.relative_to(HERE.parent)}` prints every table):\n\n{commands}\n\n{formats_side_by_side(results)}"
+    results = _lds_results("formats")
+    folder = (LDS_SETS / "formats").relative_to(HERE.parent)
+    return f"Commands (one a set; `--report --results {folder}` prints every table):\n\n{_commands(results)}\n\n{formats_side_by_side(results)}"
 
 
 def _auto_sweep() -> str:
     from benchmarks.studies.lds_sets.common import auto_sweep
 
-    return auto_sweep(_formats_results(), "k32-int8")
+    return auto_sweep(_lds_results("formats"), "k32-int8")
 
 
 # The defaults, the default before them, the other projected scorers a default could be, and exact gradients.
@@ -85,16 +90,14 @@ WORST_SET_PICKS = (
 def _worst_sets() -> str:
     from benchmarks.studies.lds_sets.common import worst_sets
 
-    return worst_sets(_formats_results(), WORST_SET_PICKS)
+    return worst_sets(_lds_results("formats"), WORST_SET_PICKS)
 
 
 def _lds_damping() -> str:
     from benchmarks.studies.lds_sets.common import damping_sweep
 
-    folder = HERE / "studies" / "lds_sets" / "damping"
-    results = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    commands = "\n".join(f"    {r['command']}" for r in results)
-    return f"Commands (one a set, on the work folders of the formats runs above):\n\n{commands}\n\n{damping_sweep(results, 'k32-int8')}"
+    results = _lds_results("damping")
+    return f"Commands (one a set, on the work folders of the formats runs above):\n\n{_commands(results)}\n\n{damping_sweep(results, 'k32-int8')}"
 
 
 REPORTS: Dict[str, Callable[[], str]] = {

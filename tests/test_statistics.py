@@ -34,29 +34,44 @@ def write(writer, order):
         writer.write([i], grads[i : i + 1], torch.ones(1), supervised[i : i + 1], torch.zeros(1), [f"r{i}"])
 
 
-def dense(storage="float16"):
+def stored_rows(storage="float16"):
+    """float64 [N, D]: every row as a reader decodes it, computed here in numpy (int8: each module
+    block in 255 levels of its own max |value|); the non-finite row is stored as zeros."""
     grads, _ = rows()
+    values = torch.nan_to_num(grads, nan=0.0).double().numpy()
+    values[4] = 0.0
+    if storage != "int8":
+        return torch.from_numpy(values).to(getattr(torch, storage)).double().numpy()
+    out = np.zeros_like(values)
+    for b in MODULES:
+        block = values[:, b["offset"] : b["offset"] + b["size"]]
+        scale = np.abs(block).max(axis=1, keepdims=True).astype(np.float32).astype(np.float64) / 127
+        out[:, b["offset"] : b["offset"] + b["size"]] = np.round(block / np.where(scale > 0, scale, 1)) * scale
+    return out
+
+
+def dense(storage="float16"):
     keep = [i for i in range(N) if i not in (4, 6)]
-    stored = grads[keep].to(getattr(torch, storage)).double().numpy()
+    stored = stored_rows(storage)[keep]
     gram = np.stack(
         [stored[:, b["offset"] : b["offset"] + 4].T @ stored[:, b["offset"] : b["offset"] + 4] for b in MODULES]
     )
     return len(keep), (stored**2).sum(0), gram
 
 
-def check_sums(stats):
-    count, sumsq, gram = dense()
+def check_sums(stats, storage="float16"):
+    count, sumsq, gram = dense(storage)
     assert stats.count == count
-    np.testing.assert_allclose(stats.sumsq, sumsq, rtol=1e-12)
+    np.testing.assert_allclose(stats.sumsq, sumsq, rtol=1e-6 if storage == "int8" else 1e-12)
     if stats.gram is not None:  # summed by the reader
         np.testing.assert_allclose(stats.gram, gram, rtol=1e-12, atol=1e-12)
 
 
-def check(index):
+def check(index, storage="float16"):
     """The stored count and sums, and the stored eigendecomposition (float32 vectors) of each
     module's mean second moment: V diag(w) Vᵀ is the dense float64 one."""
-    check_sums(index.statistics())
-    count, _, gram = dense()
+    check_sums(index.statistics(), storage)
+    count, _, gram = dense(storage)
     group = index.group["statistics"]
     assert "gram" not in group.array_keys() and group["eigvecs"].dtype == np.float32
     w, v = group["eigvals"][:], group["eigvecs"][:].astype(np.float64)
@@ -102,6 +117,25 @@ def test_one_module_a_pass_equals_all_at_once(tmp_path, monkeypatch):
     torch.testing.assert_close(slabs.whitened_norms(0, N), whole.whitened_norms(0, N), rtol=1e-6, atol=0)
     for name in ("eigvals", "eigvecs"):
         np.testing.assert_array_equal(slabs.group["statistics"][name][:], whole.group["statistics"][name][:])
+
+
+def test_int8_rows_read_back_a_module_at_a_time_equal_dense_float64(tmp_path, monkeypatch):
+    """Each slab's columns and scales are cut from the stored int8 rows: the statistics are those
+    of the rows as a reader decodes them."""
+    monkeypatch.setattr(statistics, "GRAM_SLAB_BYTES", 4 * 4 * 8)  # one module a pass
+    writer = IndexWriter(tmp_path / "ix", N, D, "int8", META)
+    write(writer, [3, 0, 10, 7, 1, 2, 4, 5, 6, 8, 9])
+    assert writer.close()
+    index = open_index(tmp_path / "ix")
+    check(index, "int8")
+    # and each row's whitened norms, |(F + λI)^-½ r| per module, λ = damping × F's mean eigenvalue
+    count, _, gram = dense("int8")
+    values, want = stored_rows("int8"), np.empty((N, len(MODULES)))
+    for m, b in enumerate(MODULES):
+        f = gram[m] / count
+        w, v = np.linalg.eigh(f + index.whitened_damping * np.trace(f) / b["size"] * np.eye(b["size"]))
+        want[:, m] = np.linalg.norm(values[:, b["offset"] : b["offset"] + b["size"]] @ v / np.sqrt(w), axis=1)
+    np.testing.assert_allclose(index.whitened_norms(0, N).numpy(), want, rtol=1e-5)
 
 
 def test_an_index_without_statistics_is_read_in_one_pass(tmp_path):

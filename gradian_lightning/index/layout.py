@@ -85,7 +85,8 @@ def encode(
     rows = rows.detach().cpu().float()
     if storage_dtype == "int8":
         blocks = _blocks_or_row(blocks, rows.shape[1])
-        scales = _block_reduce(rows.abs(), blocks, torch.amax) / INT8_MAX  # [b, M]
+        largest = [rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])].abs().amax(dim=1) for b in blocks]
+        scales = torch.stack(largest, dim=1) / INT8_MAX  # [b, M]
         step = _per_column(scales.clamp_min(torch.finfo(torch.float32).tiny), blocks)
         return torch.round(rows / step).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).numpy(), scales.numpy()
     if storage_dtype == "bfloat16":
@@ -134,13 +135,6 @@ def round_trip(rows: torch.Tensor, storage_dtype: str, blocks: Sequence[Dict[str
 def _blocks_or_row(blocks: Sequence[Dict[str, Any]], width: int) -> Sequence[Dict[str, Any]]:
     # Rows written without a module layout are one block: the row.
     return blocks or [{"offset": 0, "size": width}]
-
-
-def _block_reduce(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]], reduce: Any) -> torch.Tensor:
-    # [b, D] -> [b, M]: `reduce(block, dim=1)` of each module block.
-    return torch.stack(
-        [reduce(rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])], dim=1) for b in blocks], dim=1
-    )
 
 
 def _per_column(scales: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:

@@ -42,6 +42,7 @@ from gradian_lightning.index.layout import equal_block_size, module_norms
 # (k = 64: 128 MiB a module) only the per-coordinate sums are kept, and `fisher` is not available.
 GRAM_MAX_SIZE = 1024
 STATISTICS_GROUP = "statistics"  # the zarr subgroup of the index root group that holds them
+COUNTED_ROWS = "rows"  # the attribute of the rows counted, written after every array: they are finished
 WHITENED_NORMS = "whitened_norms"
 WHITENED_DAMPING = "whitened_damping"
 # The damping the writer stores whitened norms for: the default query.damping (specs.QuerySpec; a
@@ -170,7 +171,7 @@ def write_statistics(
     stats = group.require_group(STATISTICS_GROUP)
     # First: the old arrays are of other rows, and from here until the end they are half written.
     stats.attrs.pop(WHITENED_DAMPING, None)
-    stats.attrs.pop("rows", None)
+    stats.attrs.pop(COUNTED_ROWS, None)
     for name in list(stats.array_keys()):
         del stats[name]
     num_rows, modules, count = len(keep), len(blocks), int(keep.sum())
@@ -181,7 +182,7 @@ def write_statistics(
             hi = min(lo + chunk, num_rows)
             _add_sumsq(sumsq, read(lo, hi, 0, modules)[torch.from_numpy(keep[lo:hi])])
         stats.create_array("sumsq", data=sumsq)
-        stats.attrs["rows"] = count
+        stats.attrs[COUNTED_ROWS] = count
         return
     per_slab = min(modules, max(1, GRAM_SLAB_BYTES // (size * size * 8)))
     slabs = [(a, min(a + per_slab, modules)) for a in range(0, modules, per_slab)]
@@ -251,7 +252,7 @@ def write_statistics(
                 whitening = (ga, gb, torch.from_numpy(basis), torch.from_numpy(scales).reshape(-1))
     stats.create_array("sumsq", data=sumsq)
     stats.create_array("eigvals", data=eigvals)
-    stats.attrs["rows"] = count
+    stats.attrs[COUNTED_ROWS] = count
     if norms is not None:
         stats.attrs[WHITENED_DAMPING] = damping  # last: only a finished close makes the norms valid
 
@@ -260,7 +261,7 @@ def finished_statistics(group: zarr.Group) -> Optional[zarr.Group]:
     """The `statistics` subgroup of an index group, if a writer's close finished writing it (its
     "rows" attribute, written after the arrays); None if there is none or it was cut short."""
     stats = group.get(STATISTICS_GROUP)
-    return stats if isinstance(stats, zarr.Group) and "rows" in stats.attrs else None
+    return stats if isinstance(stats, zarr.Group) and COUNTED_ROWS in stats.attrs else None
 
 
 def _add_sumsq(sumsq: np.ndarray, rows: torch.Tensor) -> None:
@@ -302,16 +303,12 @@ class RowStatistics:
         if self.gram is not None:
             _add_gram(self.gram, rows, self.gram.shape[1])
 
-    def module_eigen(self, m: int) -> tuple:
-        """(eigvals [s] float64 clipped at 0, eigvecs [s, s] float64) of module m's mean second
-        moment gram[m] / count."""
-        return _eigen(self.gram[m] / max(self.count, 1))
-
     def eigen(self) -> tuple:
-        """`module_eigen` of every module: (eigvals [M, s], eigvecs [M, s, s]) float64."""
+        """(eigvals [M, s] float64 clipped at 0, eigvecs [M, s, s] float64) of each module's mean
+        second moment gram[m] / count."""
         w, v = np.empty(self.gram.shape[:2]), np.empty_like(self.gram)
         for m in range(len(self.gram)):
-            w[m], v[m] = self.module_eigen(m)
+            w[m], v[m] = _eigen(self.gram[m] / max(self.count, 1))
         return w, v
 
     @classmethod
@@ -322,7 +319,7 @@ class RowStatistics:
         stats = finished_statistics(group)
         if stats is None:
             return None
-        return cls(int(stats.attrs["rows"]), stats["sumsq"][:], None)
+        return cls(int(stats.attrs[COUNTED_ROWS]), stats["sumsq"][:], None)
 
 
 def counted(finite: np.ndarray, supervised: np.ndarray) -> np.ndarray:

@@ -31,6 +31,7 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.layout import module_blocks
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.index.statistics import (
+    COUNTED_ROWS,
     GRAM_MAX_SIZE,
     finished_statistics,
     gram_block_size,
@@ -84,7 +85,7 @@ AUTO_FEW_ROWS = "ekfac"
 def counted_rows(index: IndexReader) -> Optional[int]:
     """How many rows the index's statistics counted (None where no close finished writing them)."""
     stats = finished_statistics(index.group)
-    return None if stats is None else int(stats.attrs["rows"])
+    return None if stats is None else int(stats.attrs[COUNTED_ROWS])
 
 
 def resolve(index: IndexReader, precondition: str) -> str:
