@@ -149,7 +149,7 @@ class GradientIndexer(L.Callback):
             meta = read_meta(path)
         except GradianError:
             return
-        if meta.get("global_step") == trainer.global_step and not meta.get("complete"):
+        if meta.global_step == trainer.global_step and not meta.complete:
             rank_zero_warn(
                 f"GradientIndexer: the index {path} of step {trainer.global_step}, where this fit resumes, was left incomplete and Lightning will not repeat "
                 "that validation run; resume from an earlier checkpoint to repeat it, or checkpoint after validation runs (ModelCheckpoint's default)"

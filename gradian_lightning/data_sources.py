@@ -295,19 +295,6 @@ def open_rows(source: Any, fields: Fields, key: str = "data.train") -> Any:
     return dataset
 
 
-def index_segments(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The sources of an index's rows, oldest first: {"data" (its `describe_source` record),
-    "offset" (its first row), "rows", "fingerprint" (of the run that wrote them)}; one for an
-    index that was never appended to (index.append)."""
-    first = {
-        "data": meta.get("data") or {},
-        "offset": 0,
-        "rows": meta["num_rows"],
-        "fingerprint": meta.get("fingerprint"),
-    }
-    return list(meta.get("segments") or [first])
-
-
 class IndexedRows:
     """The data rows an index was built from, by index position, read back from their sources
     (one `datasets.Dataset` per appended source, memory-mapped): `rows[i]` is row i under gradian's
@@ -325,12 +312,15 @@ class IndexedRows:
         return self.fields.row(dataset[int(i) - offset])
 
 
-def indexed_rows(meta: Dict[str, Any], fields: Fields, train: Any = None) -> Tuple[Optional[IndexedRows], str]:
-    """(`IndexedRows` of an index with metadata `meta`, "") when every source it was built from is
+def indexed_rows(
+    segments: Sequence[Dict[str, Any]], fields: Fields, train: Any = None
+) -> Tuple[Optional[IndexedRows], str]:
+    """(`IndexedRows` of an index whose rows came from `segments` (`IndexMeta.data_segments`), "")
+    when every source it was built from is
     still there and unchanged, else (None, why not, in words). `train`: a Python `datasets.Dataset`
     to use for a source recorded without a path, when its fingerprint matches."""
     parts = []
-    for segment in index_segments(meta):
+    for segment in segments:
         data = segment["data"]
         recorded = data.get("fingerprint") or data.get("sha256")
         path = data.get("path")

@@ -118,4 +118,4 @@ def test_appending_with_other_weights_or_settings_is_refused(tmp_path, saved_mod
         match=r"weights the index at .* was built from \(weights digest [0-9a-f]+\); this model's are [0-9a-f]+",
     ):
         run_index(settings(saved_model, second, tmp_path / "ix", "index.append=true"))
-    assert len(open_index(tmp_path / "ix")) == 10 and open_index(tmp_path / "ix").meta["complete"]
+    assert len(open_index(tmp_path / "ix")) == 10 and open_index(tmp_path / "ix").meta.complete

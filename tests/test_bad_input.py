@@ -66,7 +66,7 @@ def test_bad_data_loses_no_existing_index(tmp_path, saved_model, capsys):
         == f"gradian index: error: {broken}:2: malformed JSON (Expecting ',' delimiter); each line must be one JSON object"
     )
     after = open_index(tmp_path / "ix")
-    assert after.meta["complete"] and torch.equal(after.rows(slice(None)), before)
+    assert after.meta.complete and torch.equal(after.rows(slice(None)), before)
 
 
 def test_model_that_needs_remote_code_says_to_trust_it(tmp_path, saved_model, capsys):

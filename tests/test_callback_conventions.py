@@ -124,14 +124,14 @@ def test_a_fit_resumed_from_a_checkpoint_continues_indexing_where_it_stopped(tmp
 
     with pytest.raises(RuntimeError, match="killed"):
         fit(tmp_path / "cut", tokenizer, dataset, crash_at_step=8)  # dies indexing step 8, after the step-4 checkpoint
-    assert not open_index(tmp_path / "cut" / "ix-8").meta["complete"]
+    assert not open_index(tmp_path / "cut" / "ix-8").meta.complete
     resumed = fit(tmp_path / "cut", tokenizer, dataset, ckpt_path=tmp_path / "cut" / "ckpt" / "step=4.ckpt")
     # The step-4 run comes back from the checkpoint; step 8 is indexed again, from the same weights.
     assert [(r["step"], r["rows"], r["complete"]) for r in resumed.runs] == [(4, 7, True), (8, 7, True)]
     assert resumed.runs[0]["path"] == str(tmp_path / "cut" / "ix-4")
     for step in (4, 8):
         got, want = open_index(tmp_path / "cut" / f"ix-{step}"), open_index(tmp_path / "whole" / f"ix-{step}")
-        assert got.meta["complete"] and got.meta["global_step"] == step
+        assert got.meta.complete and got.meta.global_step == step
         np.testing.assert_allclose(got.rows(slice(None)).numpy(), want.rows(slice(None)).numpy(), rtol=1e-5, atol=1e-7)
 
 
@@ -167,7 +167,7 @@ def test_resuming_past_an_interrupted_indexing_run_says_so(tmp_path, tokenizer, 
         run(crash_at_step=4)
     with pytest.warns(UserWarning, match=r"ix-4 of step 4, where this fit resumes, was left incomplete"):
         run(ckpt_path=tmp_path / "ckpt" / "step=4.ckpt")
-    assert not open_index(tmp_path / "ix-4").meta["complete"]
+    assert not open_index(tmp_path / "ix-4").meta.complete
 
 
 def test_state_dict_round_trip_and_settings_change_warning(tmp_path):

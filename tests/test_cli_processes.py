@@ -85,7 +85,7 @@ def test_cli_on_two_ddp_ranks_writes_the_one_process_index(tmp_path, saved_model
     ], reports
     assert len([line for line in reports if "predicted for" in line]) == 1, reports
     one, two = open_index(tmp_path / "one"), open_index(tmp_path / "two")
-    assert two.meta["complete"] and two.column("complete").all()
+    assert two.meta.complete and two.column("complete").all()
     assert list(two.column("id")) == [f"row-{i}" for i in range(9)]  # each row once, at its own position
     torch.testing.assert_close(two.rows(slice(None)), one.rows(slice(None)), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(two.column("loss"), one.column("loss"), rtol=1e-5)
@@ -134,7 +134,7 @@ def test_sigkilled_run_resumes_computing_only_the_missing_rows(tmp_path, saved_m
     )
     capsys.readouterr()
     resumed, reference = open_index(path), open_index(tmp_path / "uninterrupted")
-    assert resumed.meta["complete"] and list(resumed.column("id")) == list(reference.column("id"))
+    assert resumed.meta.complete and list(resumed.column("id")) == list(reference.column("id"))
     torch.testing.assert_close(resumed.rows(slice(None)), reference.rows(slice(None)), rtol=1e-5, atol=1e-6)
 
     # Another configuration at the same path: refused in one line naming what differs, until overwrite.

@@ -24,9 +24,9 @@ def test_finetune_and_attribute_smoke(tmp_path, capsys):
     assert [int(step) for step, _ in runs] == [8, 16]
     for _, path in runs:
         index = open_index(path)
-        names = [m["name"] for m in index.meta["modules"]]
+        names = [m.name for m in index.meta.blocks]
         assert (
-            index.meta["complete"]
+            index.meta.complete
             and len(names) == 8
             and all(re.search(r"\.(q|v)_proj\.lora_[AB]\.default$", n) for n in names)
         )

@@ -103,7 +103,7 @@ def test_overwrite_refuses_an_index_folder_with_other_files(tmp_path):
     with pytest.raises(ConfigError, match=r"holds files that are not part of the index \(config\.yaml\)"):
         writer(tmp_path / "ix", seed=1, overwrite=True)
     assert (tmp_path / "ix" / "config.yaml").read_text() == "keep me\n"
-    assert read_meta(tmp_path / "ix")["fingerprint"] == "f0"  # the old index is untouched
+    assert read_meta(tmp_path / "ix").fingerprint == "f0"  # the old index is untouched
 
 
 def test_a_failed_metadata_read_is_reported_not_taken_for_absent(tmp_path, monkeypatch):
@@ -124,7 +124,7 @@ def test_a_failed_metadata_read_is_reported_not_taken_for_absent(tmp_path, monke
 def test_an_empty_folder_is_a_place_for_a_new_index(tmp_path):
     (tmp_path / "ix").mkdir()
     fill(writer(tmp_path / "ix"))
-    assert read_meta(tmp_path / "ix")["complete"]
+    assert read_meta(tmp_path / "ix").complete
 
 
 def test_overwrite_replaces_an_index_of_another_configuration(tmp_path):
@@ -132,7 +132,7 @@ def test_overwrite_replaces_an_index_of_another_configuration(tmp_path):
     with pytest.raises(ConfigError, match="another configuration"):
         writer(tmp_path / "ix", seed=1)
     fill(writer(tmp_path / "ix", seed=1, overwrite=True))
-    assert read_meta(tmp_path / "ix")["fingerprint"] == "f1"
+    assert read_meta(tmp_path / "ix").fingerprint == "f1"
     assert np.array_equal(zarr.open_group(str(tmp_path / "ix"))["grads"][:], np.ones((4, 8), dtype=np.float32))
 
 
@@ -161,7 +161,7 @@ def test_the_lock_file_is_not_taken_for_part_of_the_index(tmp_path):
 
     from gradian_lightning.index.location import LOCK_FILE
     from gradian_lightning.index.reader import IndexReader
-    from gradian_lightning.query.precondition import counted_rows, preconditioner
+    from gradian_lightning.query.precondition import build_preconditioner, counted_rows
 
     # zarr warns on every entry of the folder that is not a node when a group is listed; every
     # index, resume and query printed two lines of it about the lock file.
@@ -169,11 +169,11 @@ def test_the_lock_file_is_not_taken_for_part_of_the_index(tmp_path):
         warnings.simplefilter("always")
         fill(writer(tmp_path / "ix"))
         resumed = writer(tmp_path / "ix")
-        assert resumed.kept_rows == 4 and resumed.store_norms
+        assert resumed.kept_rows == 4
         resumed.close()
         index = IndexReader(tmp_path / "ix")
         assert counted_rows(index) == 4
-        assert preconditioner(index, "diag", 1.0) is not None
+        assert build_preconditioner(index, "diag", 1.0) is not None
     assert (tmp_path / "ix" / LOCK_FILE).is_file()
     assert [str(w.message) for w in caught if LOCK_FILE in str(w.message)] == []
 
@@ -498,11 +498,8 @@ def test_a_relative_data_path_resumes_from_another_folder(tmp_path, saved_model,
 
 
 def test_the_damping_error_names_the_real_default():
-    from gradian_lightning.index.statistics import WHITENED_NORMS_DAMPING
     from gradian_lightning.specs import DEFAULT_DAMPING, QuerySpec
 
     with pytest.raises(ConfigError, match=rf"; {DEFAULT_DAMPING} is the default\)$"):
         QuerySpec(damping=-1.0)
     assert DEFAULT_DAMPING == QuerySpec().damping == 1.0
-    # The writer stores whitened norms for the default damping, or default fisher queries whiten every chunk.
-    assert WHITENED_NORMS_DAMPING == DEFAULT_DAMPING

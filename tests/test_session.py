@@ -64,9 +64,9 @@ def test_a_session_alone_writes_what_the_callback_writes(tmp_path, model, datase
     alone, lightning = open_index(tmp_path / "alone"), open_index(tmp_path / "lightning")
     torch.testing.assert_close(alone.rows(slice(None)), exact_rows(model, dataset), rtol=1e-4, atol=1e-6)
     assert torch.equal(alone.rows(slice(None)), lightning.rows(slice(None)))
-    assert alone.meta["fingerprint"] == lightning.meta["fingerprint"]
+    assert alone.meta.fingerprint == lightning.meta.fingerprint
     # The spec is stored once: no second copy for another reader to read.
-    assert alone.meta["spec"] == {**SPEC.to_meta(), "module_filter": ["down_proj", "q_proj"]}
+    assert alone.meta.spec.to_meta() == {**SPEC.to_meta(), "module_filter": ["down_proj", "q_proj"]}
     assert not {"projection", "indexer", "identity", "storage_dtype"} & set(alone.meta)
 
 
@@ -98,5 +98,5 @@ def test_an_exception_keeps_the_rows_computed_before_it_and_the_rerun_resumes(tm
     validate(tmp_path, indexer, model, dataset)  # the same process: the aborted writer let go of its lock
     assert indexer.summary["kept_rows"] == 4 and indexer.summary["computed_rows"] == len(dataset) - 4
     index = open_index(tmp_path / "ix")
-    assert index.meta["complete"]
+    assert index.meta.complete
     torch.testing.assert_close(index.rows(slice(None)), exact_rows(model, dataset), rtol=1e-4, atol=1e-6)

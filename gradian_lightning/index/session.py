@@ -245,7 +245,7 @@ class IndexSession:
         if writer is None:
             raise _not_open("finish")
         complete = self._close(writer)
-        summary = {**summarize(writer, complete), "computed_rows": self._rows_done, "step": writer.meta["global_step"]}
+        summary = {**summarize(writer, complete), "computed_rows": self._rows_done, "step": writer.step}
         self.summaries.append(summary)
         return summary
 

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.data_sources import ID_BATCH, id_hashes, index_segments
+from gradian_lightning.data_sources import ID_BATCH, id_hashes
 from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
+from gradian_lightning.gradients.projection import ModuleBlock
 from gradian_lightning.index.layout import (
     ATTRIBUTE,
     FORMAT_VERSION,
@@ -23,24 +24,25 @@ from gradian_lightning.index.layout import (
     NUMPY_DTYPE,
     ROW_ARRAYS,
     SCALES,
+    IndexMeta,
     chunk_rows,
     decode,
     encode,
     fingerprint,
     has_member,
     identity,
-    module_blocks,
     module_norms,
+    row_block,
     stored_meta,
 )
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
     STATISTICS_GROUP,
     WHITENED_DAMPING,
-    WHITENED_NORMS_DAMPING,
     counted,
     write_statistics,
 )
+from gradian_lightning.specs import DEFAULT_DAMPING
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -101,11 +103,17 @@ class IndexWriter:
         self._old_ids: Optional[Tuple[np.ndarray, np.ndarray]] = None
         # The spec's one record of the storage dtype is what this writer encodes with.
         spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
+        # The module layout is the one record of the width: rows written without one are one block.
+        modules = meta.get("modules") or [row_block(width).to_entry()]
+        if sum(int(b["size"]) for b in modules) != width:
+            raise GradianError(
+                f"IndexWriter(width={width}) does not match its module layout ({sum(int(b['size']) for b in modules)} values a row)"
+            )
         self.meta = {
             **meta,
             "format_version": FORMAT_VERSION,
             "num_rows": num_rows,
-            "width": width,
+            "modules": modules,
             "spec": spec,
             "complete": False,
         }
@@ -120,14 +128,16 @@ class IndexWriter:
             self._release(refused=True)
             raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
-        self.blocks = module_blocks(self.meta)
-        # An index begun by a gradian that stored no norms is resumed without them: its readers
-        # compute every row's norms, so a partial array would only be a second truth.
-        self.store_norms = has_member(self.group, NORMS, zarr.Array)
+        self.blocks = [ModuleBlock.from_entry(b) for b in self.meta["modules"]]
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self.kept_rows = int(self.done[self.offset :].sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
         self.nonfinite_rows: List[int] = []
+
+    @property
+    def step(self) -> Optional[int]:
+        """The global step of the weights the rows are made with, as the caller said (meta)."""
+        return self.meta.get("global_step")
 
     @property
     def todo(self) -> np.ndarray:
@@ -194,7 +204,7 @@ class IndexWriter:
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
-        modules = len(module_blocks(self.meta))
+        modules = len(self.meta["modules"])
         for name in (NORMS, SCALES) if self.storage_dtype == "int8" else (NORMS,):
             group.create_array(
                 name, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
@@ -206,7 +216,7 @@ class IndexWriter:
         """Open the index `old` describes to add this run's rows after its own: resuming this
         run if it is the index's last append, else checking the index takes them (the same
         identity but for the data, the same weights, complete) and growing every per-row array."""
-        segments = index_segments(old)
+        segments = IndexMeta.from_attrs(old, repr(str(self.path))).data_segments()
         run = {"data": self.meta.get("data"), "rows": self.num_rows, "fingerprint": self.meta.get("fingerprint")}
         last = segments[-1]
         if last.get("fingerprint") == run["fingerprint"] and last["rows"] == self.num_rows:
@@ -350,8 +360,7 @@ class IndexWriter:
         self._set("grads", where, block)
         if scales is not None:  # before `complete`, like the row itself
             self._set(SCALES, where, scales)
-        if self.store_norms:
-            self._set(NORMS, where, module_norms(decoded, self.blocks).numpy())
+        self._set(NORMS, where, module_norms(decoded, self.blocks).numpy())
         columns = list(zip(*(rows[i][1] for i in order)))
         for name, values in zip(("id", "loss", "supervised_tokens", "truncated_tokens", "finite"), columns):
             self._set(name, where, np.asarray(values, dtype=ROW_ARRAYS[name][0]))
@@ -361,7 +370,7 @@ class IndexWriter:
     def _decoded(self, lo: int, hi: int, a: int, b: int) -> torch.Tensor:
         """float32 rows lo..hi-1 of module blocks a..b-1 as written, read back from disk."""
         blocks = self.blocks[a:b]
-        first, last = int(blocks[0]["offset"]), int(blocks[-1]["offset"]) + int(blocks[-1]["size"])
+        first, last = blocks[0].offset, blocks[-1].offset + blocks[-1].size
         scales = self.group[SCALES][lo:hi, a:b] if self.storage_dtype == "int8" else None
         return decode(self.group["grads"][lo:hi, first:last], self.storage_dtype, scales=scales, blocks=blocks)
 
@@ -389,7 +398,7 @@ class IndexWriter:
                     self.width,
                     self.chunk,
                     self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
-                    WHITENED_NORMS_DAMPING if complete and self.store_norms else None,
+                    DEFAULT_DAMPING if complete else None,  # the default query's damping: it never whitens a chunk
                 )
                 self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
         finally:

@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
 from gradian_lightning.data import Fields, TokenizedRows, collate
-from gradian_lightning.data_sources import describe_source, index_segments, open_rows, streamed_rows
+from gradian_lightning.data_sources import describe_source, open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
-from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.index.layout import IndexMeta, stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
@@ -203,8 +203,9 @@ def appended_after(path: str, data: Dict[str, Any]) -> int:
     stored = stored_meta(path)
     if stored is None:
         return 0
-    last = index_segments(stored)[-1]
-    return int(last["offset"]) if last["data"] == data else int(stored["num_rows"])
+    meta = IndexMeta.from_attrs(stored, repr(path))
+    last = meta.data_segments()[-1]
+    return int(last["offset"]) if last["data"] == data else meta.num_rows
 
 
 def _name(source: Any) -> str:

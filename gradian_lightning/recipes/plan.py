@@ -270,8 +270,7 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
     `model` may live on the meta device.
     """
     projector = GradientRows(model, spec).projector
-    blocks = projector.describe()
-    stats = statistics_bytes(blocks, projector.width, rows)
+    stats = statistics_bytes(projector.blocks, projector.width, rows)
     return {
         "modules": len(projector.blocks),
         "width": projector.width,

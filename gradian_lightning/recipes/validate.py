@@ -29,7 +29,7 @@ from gradian_lightning.data import read_jsonl
 from gradian_lightning.errors import ConfigError, GradianError, MissingExtraError
 from gradian_lightning.extras import require_extra
 from gradian_lightning.hub import file_sha256, find_causal_lm, load_tokenizer_and_config, normalized_name
-from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.index.layout import IndexMeta, stored_meta
 from gradian_lightning.recipes.query import dense_scores
 from gradian_lightning.saved_models import load_saved_model
 from gradian_lightning.specs import QuerySpec
@@ -86,12 +86,12 @@ def run_validate(
         dict(s) for s in (OmegaConf.to_object(v.scorers) if OmegaConf.is_config(v.scorers) else v.scorers) or []
     ] or [{}]
     scoring = [_scoring_config(cfg, s) for s in scorers]  # bad scorers fail before any training
-    meta = stored_meta(str(cfg.index.path))
-    if meta is None:
+    stored = stored_meta(str(cfg.index.path))
+    if stored is None:
         raise ConfigError(
             f"setting 'index.path'={str(cfg.index.path)!r} holds no Gradian index; gradian validate scores with the index of data.train: build it first with gradian index and the same settings"
         )
-    indexed = (meta.get("data") or {}).get("sha256")
+    indexed = IndexMeta.from_attrs(stored, repr(str(cfg.index.path))).data.get("sha256")
     if indexed is not None and indexed != file_sha256(cfg.data.train):
         raise ConfigError(
             f"setting 'data.train'={str(cfg.data.train)!r} is not the file the index at {str(cfg.index.path)!r} was built from; validate with the indexed data, or re-index"
