@@ -8,7 +8,7 @@ One command, under 8 minutes on one GPU, four measurements, each through Lightni
     overlap with the CPU's (rows stored in float32, so that the storage's rounding hides nothing);
   - plan: `gradian plan`'s predicted peak (recipes/plan.py) against `torch.cuda.max_memory_allocated`
     of the same `gradian index` run (above what was allocated before it), at three batch sizes and
-    two precisions, on rows of about 450 tokens at grads.max_seq_length=512;
+    two precisions, on rows of about 440 tokens at grads.max_seq_length=512;
   - speed: capture (`trainer.validate` with a `GradientIndexer` at the defaults) against a plain
     training step (`trainer.fit`: forward, backward and an AdamW step) on the same batches, in
     tokens per second per steady batch (the second batch to the last, the device synchronised);
@@ -31,7 +31,9 @@ skipped (tests/test_benchmarks_smoke.py runs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import json
 import os
 import subprocess
@@ -80,7 +82,7 @@ class Sizes:
     speed_seq_len: int
 
 
-FULL = Sizes(80, 24, 8, 32, 40, 512, (2, 8, 32), 16, 8, 512)
+FULL = Sizes(80, 24, 8, 32, 55, 512, (2, 8, 32), 16, 8, 512)
 SMOKE = Sizes(24, 4, 4, 8, 3, 64, (1, 2, 4), 4, 2, 16)
 
 
@@ -605,7 +607,9 @@ TABLES: Dict[str, Callable[[Dict[str, Any]], List[Dict[str, Any]]]] = {
 }
 
 
-def caption(run: Run, info: Dict[str, Any], measured: Dict[str, Any], random_weights: bool, wall: float) -> str:
+def caption(
+    run: Run, info: Dict[str, Any], measured: Dict[str, Any], random_weights: bool, wall: float, pending: Sequence[str]
+) -> str:
     s = run.sizes
     weights = (
         "a tiny random-init Llama and a word-level tokenizer (--smoke)"
@@ -616,7 +620,7 @@ def caption(run: Run, info: Dict[str, Any], measured: Dict[str, Any], random_wei
     )
     lines = [
         device_line(info),
-        f"Model: {run.model}, {weights}. Wall time of the whole check: {wall:.0f} s.",
+        f"Model: {run.model}, {weights}. Wall time of the check: {wall:.0f} s.",
         f"Rows: {s.train_rows} fact rows and {s.queries} queries (benchmarks/lds_data), grads.batch_size={s.batch_size}, "
         "the default module filter and projection, rows stored in float32; relative difference ‖row − cpu‖ / ‖cpu‖.",
         f"Plan: {s.long_rows} rows of {s.long_parts} fact completions at grads.max_seq_length={s.max_seq_length}; "
@@ -632,7 +636,11 @@ def caption(run: Run, info: Dict[str, Any], measured: Dict[str, Any], random_wei
     for name in SECTIONS:
         part = measured.get(name)
         if part is None:
-            lines.append(f"{name}: not run (--only).")
+            lines.append(
+                f"{name}: not run yet (the run is under way or was stopped)."
+                if name in pending
+                else f"{name}: not run (--only)."
+            )
         elif "skipped" in part:
             lines.append(f"{name}: skipped: {part['skipped']}.")
         elif "error" in part:
@@ -708,30 +716,40 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     info = device_info()
     measured: Dict[str, Any] = {}
     failed = []
+    chosen = args.only.split(",")
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         run = make_run(args, Path(tmp))
-        for name in args.only.split(","):
+        for i, name in enumerate(chosen):
             began = time.perf_counter()
             print(f"gpu_check: {name} ...", flush=True)
             try:
                 measured[name] = CHECKS[name](run)
             except Exception as err:  # the other sections' figures still count: record, go on, exit 1
                 traceback.print_exc()
-                measured[name] = {
-                    "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-                }
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                measured[name] = {"error": f"{type(err).__name__}: {first}"}
                 failed.append(name)
             measured[name]["wall_s"] = time.perf_counter() - began
             print(f"gpu_check: {name} done in {measured[name]['wall_s']:.0f} s", flush=True)
-        wall = time.perf_counter() - start
-        tables = [t for name in SECTIONS if _has_figures(measured.get(name)) for t in TABLES[name](measured[name])]
-        text = caption(run, info, measured, args.random_weights, wall)
-    path = write_result("gpu_check", text, tables, args.out, device=info, sections=measured, wall_s=wall)
-    path.with_suffix(".md").write_text(render_result(json.loads(path.read_text())) + "\n")
+            # Written after every section: a run stopped by a time limit keeps what it measured.
+            last = i == len(chosen) - 1
+            with contextlib.nullcontext() if last else contextlib.redirect_stdout(io.StringIO()):
+                path = save(run, info, measured, args, time.perf_counter() - start, pending=chosen[i + 1 :])
     if failed:
         raise SystemExit(
             f"gpu_check: error: section(s) {', '.join(failed)} failed (the traceback is above); the others' figures are in {path}"
         )
+
+
+def save(
+    run: Run, info: Dict[str, Any], measured: Dict[str, Any], args: argparse.Namespace, wall: float, pending: List[str]
+) -> Path:
+    """Write gpu_check.json and gpu_check.md to `args.out` (default benchmarks/results); print the Markdown."""
+    tables = [t for name in SECTIONS if _has_figures(measured.get(name)) for t in TABLES[name](measured[name])]
+    text = caption(run, info, measured, args.random_weights, wall, pending)
+    path = write_result("gpu_check", text, tables, args.out, device=info, sections=measured, wall_s=wall)
+    path.with_suffix(".md").write_text(render_result(json.loads(path.read_text())) + "\n")
+    return path
 
 
 def _has_figures(part: Optional[Dict[str, Any]]) -> bool:
