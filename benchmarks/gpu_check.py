@@ -1,6 +1,6 @@
 """GPU check: gradian on one (or more) CUDA devices against the CPU, `gradian plan` and a training step.
 
-One command, under 8 minutes on one GPU, four measurements, each through Lightning's accelerator
+One command, sized to finish in under 8 minutes on one GPU, four measurements, each through Lightning's accelerator
 (`trainer.accelerator=gpu`: the library never places a tensor itself):
   - rows: the LDS fact set (80 rows, 24 queries) indexed and queried on the GPU in fp32
     (32-true), bf16-mixed and bf16-true, against the same on the CPU in fp32: the relative
@@ -23,9 +23,11 @@ One command, under 8 minutes on one GPU, four measurements, each through Lightni
 device's name and the torch and CUDA versions). `--random-weights` builds the model from the
 folder's config and tokenizer alone, with random weights (seed 0): for a GPU machine that the
 weights file cannot reach; memory and speed are the model's, the rows' numerics are not a trained
-model's. Without a CUDA device the full run stops at once with one line; `--smoke` runs every part
-that needs no CUDA on the CPU with a tiny local model in seconds, and names the CUDA-only parts as
-skipped (tests/test_benchmarks_smoke.py runs it).
+model's. `--only rows,plan` runs some sections. The files are rewritten after every section, so a
+run stopped by a time limit keeps what it measured. Without a CUDA device the full run stops at
+once with one line; `--smoke` runs every part that needs no CUDA on the CPU with a tiny local model
+(about 30 s of CPU time: the rows compare the CPU's bf16 with its fp32, DDP runs two CPU processes)
+and names the CUDA-only parts as skipped (tests/test_gpu_check.py runs it).
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ def device_info() -> Dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "lightning": lightning.__version__,
+        # "highest" keeps fp32 matmuls in fp32 on the GPU; "high" would allow TF32 and widen the fp32 rows' differences.
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
 
 
@@ -148,7 +152,10 @@ def device_line(info: Dict[str, Any]) -> str:
         if devices
         else "no CUDA device (smoke run on the CPU)"
     )
-    return f"Device: {where}; torch {info['torch']}, CUDA {info['cuda']}, Lightning {info['lightning']}."
+    return (
+        f"Device: {where}; torch {info['torch']}, CUDA {info['cuda']}, Lightning {info['lightning']}, "
+        f"float32 matmul precision {info['float32_matmul_precision']!r}."
+    )
 
 
 # --- data and models ---------------------------------------------------------------------------
