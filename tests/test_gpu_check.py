@@ -3,6 +3,7 @@ and its `--smoke` run end to end on the CPU (every part that needs no CUDA), so 
 is ready to run the day a GPU is."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -57,6 +58,26 @@ def test_long_rows_repeat_the_completions_they_are_made_of():
     rows = gpu_check.long_rows(facts, 4, 2)
     assert [r["completion"] for r in rows] == [" c0. c1.", " c1. c2.", " c2. c0.", " c0. c1."]
     assert [r["prompt"] for r in rows] == ["p0?", "p1?", "p2?", "p0?"] and len({r["id"] for r in rows}) == 4
+
+
+def test_a_failed_section_is_recorded_and_the_others_still_written(monkeypatch, tmp_path):
+    """A section that raises is named in the files and the exit line; the next section still runs."""
+
+    def broken(run):
+        raise RuntimeError("planted failure\nsecond line")
+
+    monkeypatch.setitem(gpu_check.CHECKS, "rows", broken)
+    argv = ["--smoke", "--only", "rows,plan", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [str(gpu_check.ROOT / "benchmarks" / "gpu_check.py"), *argv])
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(argv)
+    assert str(stop.value.code).startswith("gpu_check: error: section(s) rows failed")
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert sections["rows"]["error"] == "RuntimeError: planted failure" and "ddp" not in sections
+    assert len(sections["plan"]["points"]) == 6  # measured after the failure
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "rows: FAILED: RuntimeError: planted failure" in markdown and "ddp: not run (--only)." in markdown
+    assert "`gradian plan` against the measured peak" in markdown and "Rows and rankings" not in markdown
 
 
 @pytest.mark.slow  # the script in a child process, DDP on two CPU processes included
