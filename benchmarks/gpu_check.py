@@ -693,6 +693,9 @@ def make_run(args: argparse.Namespace, work: Path) -> Run:
         model = args.model or (str(SMOLLM2) if (SMOLLM2 / "model.safetensors").is_file() else HUB_ID)
         if args.random_weights:
             model = random_weights_folder(model, work / "model")
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(model)  # a model that cannot be found fails here, once, not in every section
     return Run(
         model=model,
         accelerator="cpu" if args.smoke else "gpu",
@@ -725,7 +728,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     failed = []
     chosen = args.only.split(",")
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
-        run = make_run(args, Path(tmp))
+        try:
+            run = make_run(args, Path(tmp))
+        except OSError as err:  # no such folder, or a hub id that cannot be reached: before any section runs
+            first = str(err).strip().splitlines()[0]
+            raise SystemExit(
+                f"gpu_check: error: --model {args.model or HUB_ID!r} cannot be loaded ({first}); build a folder with bash ../shared/models/make-smollm2.sh DIR and pass --model DIR"
+            ) from None
         for i, name in enumerate(chosen):
             began = time.perf_counter()
             print(f"gpu_check: {name} ...", flush=True)

@@ -22,6 +22,16 @@ def test_without_a_gpu_the_full_run_stops_with_one_line(monkeypatch, tmp_path):
     assert "\n" not in message and not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+def test_a_model_that_cannot_be_found_stops_the_full_run_with_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "cuda_available", lambda: True)  # past the GPU check, to the model
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out")])
+    message = str(stop.value.code)
+    assert message.startswith("gpu_check: error: --model ") and "make-smollm2.sh" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
 def test_relative_differences_per_block_and_row_against_numpy():
     generator = torch.Generator().manual_seed(0)
     reference = torch.randn(5, 12, generator=generator)
