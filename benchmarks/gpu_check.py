@@ -248,11 +248,11 @@ def index_and_query(run: Run, accelerator: str, precision: str) -> Dict[str, Any
     return {"path": path, "results": answer["results"], "device": answer["device"]}
 
 
-def relative_differences(rows: Any, reference: Any, blocks: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def relative_differences(rows: Any, reference: Any, blocks: Sequence[Any]) -> Dict[str, Any]:
     """‖rows − reference‖ / ‖reference‖ per row, over each module block and over the whole row.
 
     `rows`, `reference`: float32 [N, D] tensors of the same rows; `blocks`: the index's module
-    blocks ({"name", "offset", "size"}). Returns {"blocks": [{"name", "median", "max"}] (over rows),
+    blocks (`ModuleBlock`s: name, offset, size). Returns {"blocks": [{"name", "median", "max"}] (over rows),
     "row_median", "row_max"}; a reference part of norm 0 counts its absolute difference.
     """
     import torch
@@ -262,9 +262,9 @@ def relative_differences(rows: Any, reference: Any, blocks: Sequence[Dict[str, A
 
     per_block = []
     for block in blocks:
-        part = slice(block["offset"], block["offset"] + block["size"])
+        part = slice(block.offset, block.offset + block.size)
         r = rel(rows[:, part], reference[:, part])
-        per_block.append({"name": block["name"], "median": float(r.median()), "max": float(r.max())})
+        per_block.append({"name": block.name, "median": float(r.median()), "max": float(r.max())})
     whole = rel(rows, reference)
     return {"blocks": per_block, "row_median": float(whole.median()), "row_max": float(whole.max())}
 

@@ -11,6 +11,7 @@ import torch
 from test_benchmarks_smoke import run_smoke
 
 from benchmarks import gpu_check
+from gradian_lightning.gradients.projection import ModuleBlock
 
 
 def test_without_a_gpu_the_full_run_stops_with_one_line(monkeypatch, tmp_path):
@@ -37,11 +38,11 @@ def test_relative_differences_per_block_and_row_against_numpy():
     reference = torch.randn(5, 12, generator=generator)
     rows = reference + 0.01 * torch.randn(5, 12, generator=generator)
     rows[2, 4:10] = reference[2, 4:10] * 1.5  # one row of one block far off
-    blocks = [{"name": "a", "offset": 0, "size": 4}, {"name": "b", "offset": 4, "size": 8}]
+    blocks = [ModuleBlock("a", 1, 4, (1, 4), 0), ModuleBlock("b", 1, 8, (1, 8), 4)]
     got = gpu_check.relative_differences(rows, reference, blocks)
     r, x = rows.numpy().astype(np.float64), reference.numpy().astype(np.float64)
     for block, seen in zip(blocks, got["blocks"]):
-        part = slice(block["offset"], block["offset"] + block["size"])
+        part = slice(block.offset, block.offset + block.size)
         rel = np.linalg.norm(r[:, part] - x[:, part], axis=1) / np.linalg.norm(x[:, part], axis=1)
         assert seen["name"] == block["name"]
         assert seen["median"] == pytest.approx(np.median(rel), rel=1e-5)
