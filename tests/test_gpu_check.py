@@ -44,7 +44,7 @@ def test_relative_differences_per_block_and_row_against_numpy():
     for block, seen in zip(blocks, got["blocks"]):
         part = slice(block.offset, block.offset + block.size)
         rel = np.linalg.norm(r[:, part] - x[:, part], axis=1) / np.linalg.norm(x[:, part], axis=1)
-        assert seen["name"] == block["name"]
+        assert seen["name"] == block.name
         assert seen["median"] == pytest.approx(np.median(rel), rel=1e-5)
         assert seen["max"] == pytest.approx(rel.max(), rel=1e-5)
     whole = np.linalg.norm(r - x, axis=1) / np.linalg.norm(x, axis=1)
