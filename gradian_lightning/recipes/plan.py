@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradian_lightning.config import require
-from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
+from gradian_lightning.data import IGNORE_INDEX, Example, Fields, TokenizedRows
+from gradian_lightning.data_sources import open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import GradientRows
 from gradian_lightning.gradients.capture import linear_features
@@ -301,10 +302,17 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     is cpu; without either, no fitting batch size is computed.
     """
     require(cfg, "model.name_or_path", "data.train")
-    rows = read_jsonl(cfg.data.train)
+    fields = Fields.from_config(cfg.data)
+    rows = streamed_rows(open_rows(cfg.data.train, fields))  # read forward, as gradian index reads it
     tokenizer, config = load_tokenizer_and_config(cfg.model)
     g, spec = cfg.grads, IndexSpec.from_config(cfg.grads)
-    examples = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train)).examples
+    examples = TokenizedRows(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train), fields=fields)
+    # [N] int64 each, one row tokenised at a time (24 bytes a row): supervised targets, tokens, tokens cut.
+    each = (
+        (supervised_tokens(e), len(e.input_ids), e.truncated_tokens)
+        for e in map(examples.__getitem__, range(len(examples)))
+    )
+    counts, lengths, cut = np.fromiter(each, dtype=np.dtype((np.int64, 3)), count=len(examples)).T
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
     dtype, autocast = precision_dtypes(cfg, config)
@@ -321,8 +329,6 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         torch.empty((), dtype=autocast or dtype).element_size()
     )  # the head's logits are in the autocast dtype, if any
 
-    counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
-    lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
     desc = np.sort(counts)[::-1]
     b = min(g.batch_size, len(counts))
     batches = [slice(i, i + g.batch_size) for i in range(0, len(counts), g.batch_size)]
@@ -348,7 +354,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
             "mean": float(counts.mean()),
             "min": int(counts.min()),
         },
-        "truncated_rows": int(sum(e.truncated_tokens > 0 for e in examples)),
+        "truncated_rows": int((cut > 0).sum()),
         "empty_rows": int((counts == 0).sum()),
         "fp32_logits_bytes": {
             "worst_case": worst,
