@@ -9,6 +9,8 @@ stack (tests/test_layout.py fails on any import circle and names it):
     report/html.py             the static HTML page of a query run (gradian report)
     validation/                LDS: random subsets and their losses on disk, one retraining run, the score
     callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
+    data_sources.py            data.train / query.data (any file, save_to_disk folder, hub name) -> a checked
+                               datasets.Dataset; an index's rows read back from the sources its metadata names
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
       topk.py                  streaming_topk, score_all (every row, dense), Ranking, open_index -> Index
@@ -19,7 +21,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       session.py               IndexSession: bind a model, begin -> add batches -> finish (or abort): one index
       layout.py                the one description of the on-disk layout, encoding, chunking
       location.py              index.path -> zarr store: a local directory or an fsspec URL (s3://, gs://, ...)
-      writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
+      writer.py  reader.py     IndexWriter (resumable, one writer per chunk; index_segments: appends), IndexReader
       statistics.py            per-coordinate sums of squares and the eigendecomposition of each module's RᵀR, read back at close
       checkpoints.py           several checkpoints (step, learning rate) of one model in one index
     gradients/                 the gradient path, plain torch: no Lightning, no zarr
@@ -33,7 +35,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,
-                               checked once), config.py (omegaconf), data.py (JSONL -> batches),
+                               checked once), config.py (omegaconf), data.py (rows -> batches; ids),
                                hub.py (from_pretrained, pad token, file hash), versions.py,
                                extras.py (optional packages: import, or one line naming the extra)
 

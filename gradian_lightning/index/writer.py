@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.data_sources import ID_BATCH, id_hashes, index_segments
+from gradian_lightning.data import ID_BATCH, id_hashes
 from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
 from gradian_lightning.index.layout import (
     ATTRIBUTE,
@@ -50,6 +50,19 @@ def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
             out.update(_flatten(item, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: value}
+
+
+def index_segments(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The sources of an index's rows, oldest first: {"data" (its `data_sources.describe_source`
+    record), "offset" (its first row), "rows", "fingerprint" (of the run that wrote them)}; one for
+    an index that was never appended to (index.append)."""
+    first = {
+        "data": meta.get("data") or {},
+        "offset": 0,
+        "rows": meta["num_rows"],
+        "fingerprint": meta.get("fingerprint"),
+    }
+    return list(meta.get("segments") or [first])
 
 
 def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:

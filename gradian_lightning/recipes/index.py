@@ -22,11 +22,12 @@ from torch.utils.data import DataLoader
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
 from gradian_lightning.data import Fields, TokenizedRows, collate
-from gradian_lightning.data_sources import describe_source, index_segments, open_rows, streamed_rows
+from gradian_lightning.data_sources import describe_source, open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
+from gradian_lightning.index.writer import index_segments
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
 from gradian_lightning.specs import IndexSpec
