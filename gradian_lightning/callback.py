@@ -35,9 +35,17 @@ def check_strategy(strategy: Any) -> None:
         )
 
 
-def _check_arguments(dataloader_idx: Any, model_attribute: Any, verbose: Any, every_n_val_runs: Any) -> None:
+def _check_arguments(
+    dataloader_idx: Any, model_attribute: Any, verbose: Any, every_n_val_runs: Any, spec: Any, spec_given: bool
+) -> None:
     """The callback's own arguments, each refused in one `ConfigError` line (the session checks its own)."""
     for name, value, ok, allowed in (
+        (
+            "spec",
+            spec,
+            spec is None or (isinstance(spec, IndexSpec) and not spec_given),
+            "None or an IndexSpec, alone: its settings are not given beside it",
+        ),
         ("dataloader_idx", dataloader_idx, is_int(dataloader_idx) and dataloader_idx >= 0, "an integer >= 0"),
         (
             "model_attribute",
@@ -67,7 +75,8 @@ class GradientIndexer(L.Callback):
             learning rate.
         spec_values, spec_settings: the `IndexSpec`'s settings (specs.py, `grads.*`), positional
             in its field order after `path` (`GradientIndexer("ix", "down_proj", 16)`) or by name;
-            an unknown name is refused in one line that lists the valid ones.
+            an unknown name is refused in one line that lists the valid ones. Or `spec`: the
+            `IndexSpec` itself, made already (`GradientIndexer("ix", spec=IndexSpec(...))`).
         dataloader_idx: which validation dataloader to index.
         model_attribute: dotted attribute of the Hugging Face model (default: the top-most PreTrainedModel).
         verbose: after each run, say on rank 0 what was written.
@@ -91,14 +100,18 @@ class GradientIndexer(L.Callback):
         checkpoints: bool = False,
         every_n_val_runs: int = 1,
         append: bool = False,
+        spec: Optional[IndexSpec] = None,
         **spec_settings: Any,
     ) -> None:
         own = ("path", "dataloader_idx", "model_attribute", "overwrite", "meta", "verbose")
-        own += ("rows_per_chunk", "checkpoints", "every_n_val_runs", "append")
-        spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
+        own += ("rows_per_chunk", "checkpoints", "every_n_val_runs", "append", "spec")
+        _check_arguments(
+            dataloader_idx, model_attribute, verbose, every_n_val_runs, spec, bool(spec_values or spec_settings)
+        )
+        if spec is None:
+            spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
         options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta, "append": append}
         self.session = IndexSession(spec, path, overwrite=overwrite, **options)
-        _check_arguments(dataloader_idx, model_attribute, verbose, every_n_val_runs)
         self.dataloader_idx, self.model_attribute = dataloader_idx, model_attribute
         self.verbose, self.every_n_val_runs = verbose, every_n_val_runs
         self.runs: List[Dict[str, Any]] = []  # finished runs, oldest first: {"step", "path", "rows", "complete"}

@@ -64,6 +64,23 @@ def test_the_spec_settings_are_the_index_specs_fields_and_an_unknown_one_is_name
         GradientIndexer("ix", "down_proj", 8, "float32", 3, "none", None, 1)
 
 
+def test_a_made_index_spec_is_taken_as_it_is_and_alone():
+    """`spec=IndexSpec(...)` (what gradian index passes) is the session's spec; beside its own
+    settings, or not an IndexSpec, it is one line."""
+    spec = IndexSpec(module_filter="down_proj", projection_dim=8)
+    assert GradientIndexer("ix", spec=spec).session.spec is spec
+    for args, kwargs in (
+        ((), {"spec": {"projection_dim": 8}}),
+        (("down_proj",), {"spec": spec}),
+        ((), {"spec": spec, "seed": 1}),
+    ):
+        with pytest.raises(ConfigError) as err:
+            GradientIndexer("ix", *args, **kwargs)
+        assert str(err.value).startswith("GradientIndexer(spec=") and "use None or an IndexSpec, alone" in str(
+            err.value
+        )
+
+
 class FineTune(L.LightningModule):
     def __init__(self, model, crash_at_step=None):
         super().__init__()
