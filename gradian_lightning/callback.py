@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -198,10 +199,7 @@ class GradientIndexer(L.Callback):
             return
         computed = self.session.compute(batch, trainer.precision_plugin.forward_context())
         if trainer.world_size > 1:
-            tensors = pl_module.all_gather(computed.tensors())
-            ids: List[List[str]] = [[] for _ in range(trainer.world_size)]
-            torch.distributed.all_gather_object(ids, computed.ids)
-            computed = BatchRows(**{k: v.flatten(0, 1) for k, v in tensors.items()}, ids=sum(ids, []))
+            computed = gathered(trainer.strategy, computed)
         if trainer.is_global_zero:
             self.session.write(computed)
             for name, value in self.session.progress().items():
@@ -239,6 +237,24 @@ class GradientIndexer(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._todo = None
         self.session.abort()  # rank 0's writer keeps the rows it has; other ranks hold none
+
+
+def gathered(strategy: Any, computed: BatchRows) -> BatchRows:
+    """Every rank's rows of one batch (B each, the sampler pads ranks to equal batches), rank after
+    rank, through `strategy.all_gather`.
+
+    Lightning's strategies gather tensors, not Python objects (XLA's has no object collective), so
+    the ids travel as tensors too: their UTF-8 bytes, uint8 [B, longest id of any rank], zero-padded,
+    after their byte lengths [B]."""
+    encoded = [i.encode("utf-8") for i in computed.ids]
+    lengths = torch.tensor([len(e) for e in encoded], dtype=torch.long, device=computed.rows.device)
+    tensors = {k: strategy.all_gather(v).flatten(0, 1) for k, v in {**computed.tensors(), "lengths": lengths}.items()}
+    lengths = tensors.pop("lengths").tolist()
+    padded = np.zeros((len(encoded), max(lengths + [1])), dtype=np.uint8)
+    for row, e in enumerate(encoded):
+        padded[row, : len(e)] = np.frombuffer(e, dtype=np.uint8)
+    raw = strategy.all_gather(torch.from_numpy(padded).to(computed.rows.device)).flatten(0, 1).cpu().numpy()
+    return BatchRows(**tensors, ids=[row[:n].tobytes().decode("utf-8") for row, n in zip(raw, lengths)])
 
 
 def _num_rows(loaders: Any, dataloader_idx: int) -> int:

@@ -14,8 +14,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, IndexSpec, open_index
+from gradian_lightning.callback import gathered
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.session import BatchRows
 
 
 @pytest.mark.parametrize(
@@ -79,6 +81,29 @@ def test_a_made_index_spec_is_taken_as_it_is_and_alone():
         assert str(err.value).startswith("GradientIndexer(spec=") and "use None or an IndexSpec, alone" in str(
             err.value
         )
+
+
+def test_ids_cross_ranks_as_utf8_bytes_through_the_strategys_tensor_gather():
+    """No torch.distributed object collective: what the strategy's all_gather (tensors only) gives back."""
+
+    class TwoRanks:  # both ranks computed this batch: all_gather stacks it twice, as [2, ...]
+        def all_gather(self, tensor):
+            return torch.stack([tensor, tensor])
+
+    ids = ["café ☕", "", "7", "a\x00b"]  # several bytes a character, none, one, an inner zero byte
+    one = BatchRows(
+        index=torch.arange(4),
+        rows=torch.randn(4, 3),
+        loss=torch.randn(4),
+        supervised=torch.arange(4),
+        truncated=torch.zeros(4, dtype=torch.long),
+        wanted=torch.tensor([True, False, True, True]),
+        ids=ids,
+    )
+    both = gathered(TwoRanks(), one)
+    assert both.ids == ids * 2
+    for name, tensor in one.tensors().items():
+        assert torch.equal(getattr(both, name), torch.cat([tensor, tensor])), name
 
 
 class FineTune(L.LightningModule):
