@@ -112,7 +112,7 @@ class GradientIndexer(L.Callback):
         if spec is None:
             spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
         options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta, "append": append}
-        self.session = IndexSession(spec, path, overwrite=overwrite, **options)
+        self.session = IndexSession(spec, path, overwrite=overwrite, **options, caller="GradientIndexer")
         self.dataloader_idx, self.model_attribute = dataloader_idx, model_attribute
         self.verbose, self.every_n_val_runs = verbose, every_n_val_runs
         self.runs: List[Dict[str, Any]] = []  # finished runs, oldest first: {"step", "path", "rows", "complete"}
