@@ -37,16 +37,11 @@ def check_strategy(strategy: Any) -> None:
 
 
 def _check_arguments(
-    dataloader_idx: Any, model_attribute: Any, verbose: Any, every_n_val_runs: Any, spec: Any, spec_given: bool
+    dataloader_idx: Any, model_attribute: Any, verbose: Any, every_n_val_runs: Any, spec: Any, settings: Any
 ) -> None:
     """The callback's own arguments, each refused in one `ConfigError` line (the session checks its own)."""
     for name, value, ok, allowed in (
-        (
-            "spec",
-            spec,
-            spec is None or (isinstance(spec, IndexSpec) and not spec_given),
-            "None or an IndexSpec, alone: its settings are not given beside it",
-        ),
+        ("spec", spec, spec is None or (isinstance(spec, IndexSpec) and not settings), "None or an IndexSpec alone"),
         ("dataloader_idx", dataloader_idx, is_int(dataloader_idx) and dataloader_idx >= 0, "an integer >= 0"),
         (
             "model_attribute",
@@ -106,9 +101,7 @@ class GradientIndexer(L.Callback):
     ) -> None:
         own = ("path", "dataloader_idx", "model_attribute", "overwrite", "meta", "verbose")
         own += ("rows_per_chunk", "checkpoints", "every_n_val_runs", "append", "spec")
-        _check_arguments(
-            dataloader_idx, model_attribute, verbose, every_n_val_runs, spec, bool(spec_values or spec_settings)
-        )
+        _check_arguments(dataloader_idx, model_attribute, verbose, every_n_val_runs, spec, spec_values or spec_settings)
         if spec is None:
             spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
         options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta, "append": append}
@@ -240,20 +233,17 @@ class GradientIndexer(L.Callback):
 
 
 def gathered(strategy: Any, computed: BatchRows) -> BatchRows:
-    """Every rank's rows of one batch (B each, the sampler pads ranks to equal batches), rank after
-    rank, through `strategy.all_gather`.
-
-    Lightning's strategies gather tensors, not Python objects (XLA's has no object collective), so
-    the ids travel as tensors too: their UTF-8 bytes, uint8 [B, longest id of any rank], zero-padded,
-    after their byte lengths [B]."""
+    """Every rank's rows of one batch (B each: the sampler pads ranks to equal batches), rank after
+    rank, through `strategy.all_gather`. Lightning's strategies gather tensors, not Python objects
+    (XLA's has no object collective), so the ids travel as their byte lengths [B], then their UTF-8
+    bytes, uint8 [B, the longest id of any rank], zero-padded."""
     encoded = [i.encode("utf-8") for i in computed.ids]
     lengths = torch.tensor([len(e) for e in encoded], dtype=torch.long, device=computed.rows.device)
     tensors = {k: strategy.all_gather(v).flatten(0, 1) for k, v in {**computed.tensors(), "lengths": lengths}.items()}
-    lengths = tensors.pop("lengths").tolist()
-    padded = np.zeros((len(encoded), max(lengths + [1])), dtype=np.uint8)
-    for row, e in enumerate(encoded):
-        padded[row, : len(e)] = np.frombuffer(e, dtype=np.uint8)
-    raw = strategy.all_gather(torch.from_numpy(padded).to(computed.rows.device)).flatten(0, 1).cpu().numpy()
+    lengths = tensors.pop("lengths").tolist()  # every rank's: the same width on each
+    width = max(lengths + [1])
+    padded = np.frombuffer(b"".join(e.ljust(width, b"\0") for e in encoded), dtype=np.uint8).reshape(-1, width)
+    raw = strategy.all_gather(torch.from_numpy(padded.copy()).to(computed.rows.device)).flatten(0, 1).cpu().numpy()
     return BatchRows(**tensors, ids=[row[:n].tobytes().decode("utf-8") for row, n in zip(raw, lengths)])
 
 

@@ -3,7 +3,10 @@ checkpoints (a resumed fit carries on indexing), printing on rank 0 only."""
 
 import dataclasses
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -78,32 +81,52 @@ def test_a_made_index_spec_is_taken_as_it_is_and_alone():
     ):
         with pytest.raises(ConfigError) as err:
             GradientIndexer("ix", *args, **kwargs)
-        assert str(err.value).startswith("GradientIndexer(spec=") and "use None or an IndexSpec, alone" in str(
-            err.value
-        )
+        assert str(err.value).startswith("GradientIndexer(spec=") and "use None or an IndexSpec alone" in str(err.value)
+
+
+class TwoRanks:
+    """Two ranks as two threads: `all_gather` swaps their tensors, and, as a real collective
+    needs, refuses tensors of other shapes on each rank."""
+
+    def __init__(self):
+        self.barrier, self.slots = threading.Barrier(2, timeout=10), [None, None]
+
+    def strategy(self, rank):
+        def all_gather(tensor):
+            self.slots[rank] = tensor
+            self.barrier.wait()
+            both = list(self.slots)
+            self.barrier.wait()
+            assert both[0].shape == both[1].shape, f"rank {rank}: {both[0].shape} against {both[1].shape}"
+            return torch.stack(both)
+
+        return SimpleNamespace(all_gather=all_gather)
+
+
+def batch_rows(ids, first):
+    n = len(ids)
+    return BatchRows(
+        index=torch.arange(first, first + n),
+        rows=torch.randn(n, 3),
+        loss=torch.randn(n),
+        supervised=torch.arange(n),
+        truncated=torch.zeros(n, dtype=torch.long),
+        wanted=torch.rand(n) > 0.5,
+        ids=ids,
+    )
 
 
 def test_ids_cross_ranks_as_utf8_bytes_through_the_strategys_tensor_gather():
-    """No torch.distributed object collective: what the strategy's all_gather (tensors only) gives back."""
-
-    class TwoRanks:  # both ranks computed this batch: all_gather stacks it twice, as [2, ...]
-        def all_gather(self, tensor):
-            return torch.stack([tensor, tensor])
-
-    ids = ["café ☕", "", "7", "a\x00b"]  # several bytes a character, none, one, an inner zero byte
-    one = BatchRows(
-        index=torch.arange(4),
-        rows=torch.randn(4, 3),
-        loss=torch.randn(4),
-        supervised=torch.arange(4),
-        truncated=torch.zeros(4, dtype=torch.long),
-        wanted=torch.tensor([True, False, True, True]),
-        ids=ids,
-    )
-    both = gathered(TwoRanks(), one)
-    assert both.ids == ids * 2
-    for name, tensor in one.tensors().items():
-        assert torch.equal(getattr(both, name), torch.cat([tensor, tensor])), name
+    """No torch.distributed object collective: ids of other byte lengths on each rank (several
+    bytes a character, none, an inner zero byte) come back whole through a tensors-only all_gather."""
+    ranks = TwoRanks()
+    batches = [batch_rows(["café ☕", "", "7"], 0), batch_rows(["a\x00b", "x", "sky"], 3)]
+    with ThreadPoolExecutor(2) as pool:
+        both = [f.result() for f in [pool.submit(gathered, ranks.strategy(r), batches[r]) for r in (0, 1)]]
+    for got in both:
+        assert got.ids == batches[0].ids + batches[1].ids
+        for name, tensor in batches[0].tensors().items():
+            assert torch.equal(getattr(got, name), torch.cat([tensor, getattr(batches[1], name)])), name
 
 
 class FineTune(L.LightningModule):
