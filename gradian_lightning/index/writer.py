@@ -56,13 +56,8 @@ def index_segments(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The sources of an index's rows, oldest first: {"data" (its `data_sources.describe_source`
     record), "offset" (its first row), "rows", "fingerprint" (of the run that wrote them)}; one for
     an index that was never appended to (index.append)."""
-    first = {
-        "data": meta.get("data") or {},
-        "offset": 0,
-        "rows": meta["num_rows"],
-        "fingerprint": meta.get("fingerprint"),
-    }
-    return list(meta.get("segments") or [first])
+    first = {"data": meta.get("data") or {}, "offset": 0, "rows": meta["num_rows"]}
+    return list(meta.get("segments") or [{**first, "fingerprint": meta.get("fingerprint")}])
 
 
 def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:

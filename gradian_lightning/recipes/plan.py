@@ -38,18 +38,9 @@ from gradian_lightning.index.layout import NUMPY_DTYPE
 from gradian_lightning.index.statistics import statistics_bytes
 from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# Byte units, lower-cased: bytes, decimal (kb ... tb) and binary (kib ... tib).
+_UNITS = {"": 1, "b": 1, **{f"{p}b": 10 ** (3 * n) for n, p in enumerate("kmgt", 1)}}
+_UNITS.update({f"{p}ib": 2 ** (10 * n) for n, p in enumerate("kmgt", 1)})
 
 
 def supervised_tokens(example: Example) -> int:
