@@ -5,8 +5,8 @@ file, folder or hub name into one). Each row is one of three formats, detected p
   - `prompt` + `completion`: the completion is supervised (and the EOS token after it);
   - `messages`: rendered with the tokenizer's chat template; assistant turns are supervised;
   - `text`: every token is supervised.
-An optional `id` column names the row in results; without it the row's position is its id. Ids
-are compared by their string form, here, in data sources and in an index alike (`id_hashes`).
+An optional `id` column names the row in results (ids compare by their string form everywhere:
+`id_hashes`); without it the row's position is its id.
 Columns named otherwise are mapped by `Fields` (the `data.*_field` settings); a null value is
 an absent one, as in a `datasets` table whose rows have different formats.
 

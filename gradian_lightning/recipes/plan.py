@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradian_lightning.config import require
-from gradian_lightning.data import IGNORE_INDEX, Example, Fields, TokenizedRows
+from gradian_lightning.data import IGNORE_INDEX, Fields, TokenizedRows
 from gradian_lightning.data_sources import open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import GradientRows
@@ -41,11 +41,6 @@ from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec
 # Byte units, lower-cased: bytes, decimal (kb ... tb) and binary (kib ... tib).
 _UNITS = {"": 1, "b": 1, **{f"{p}b": 10 ** (3 * n) for n, p in enumerate("kmgt", 1)}}
 _UNITS.update({f"{p}ib": 2 ** (10 * n) for n, p in enumerate("kmgt", 1)})
-
-
-def supervised_tokens(example: Example) -> int:
-    """Supervised targets of one tokenized row: positions t whose label[t + 1] is not -100."""
-    return sum(1 for label in example.labels[1:] if label != IGNORE_INDEX)
 
 
 def parse_bytes(text: str) -> int:
@@ -298,12 +293,11 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     tokenizer, config = load_tokenizer_and_config(cfg.model)
     g, spec = cfg.grads, IndexSpec.from_config(cfg.grads)
     examples = TokenizedRows(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train), fields=fields)
-    # [N] int64 each, one row tokenised at a time (24 bytes a row): supervised targets, tokens, tokens cut.
-    each = (
-        (supervised_tokens(e), len(e.input_ids), e.truncated_tokens)
-        for e in map(examples.__getitem__, range(len(examples)))
-    )
-    counts, lengths, cut = np.fromiter(each, dtype=np.dtype((np.int64, 3)), count=len(examples)).T
+    # [N] int64 each, one row tokenised at a time (24 bytes a row): supervised targets (positions t
+    # whose label[t + 1] is not -100), tokens, supervised tokens cut by max_seq_length.
+    each = map(examples.__getitem__, range(len(examples)))
+    per_row = ((sum(t != IGNORE_INDEX for t in e.labels[1:]), len(e.input_ids), e.truncated_tokens) for e in each)
+    counts, lengths, cut = np.fromiter(per_row, dtype=np.dtype((np.int64, 3)), count=len(examples)).T
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
     dtype, autocast = precision_dtypes(cfg, config)
