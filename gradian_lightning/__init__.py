@@ -9,6 +9,8 @@ stack (tests/test_layout.py fails on any import circle and names it):
     report/html.py             the static HTML page of a query run (gradian report)
     validation/                LDS: random subsets and their losses on disk, one retraining run, the score
     callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
+    data_sources.py            data.train / query.data (any file, save_to_disk folder, hub name) -> a checked
+                               datasets.Dataset; an index's rows read back from the sources its metadata names
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
       precondition.py          Diagonal, Fisher, EKFAC (one class each) from the index's row statistics; auto's rule
@@ -34,7 +36,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,
-                               checked once), config.py (omegaconf), data.py (JSONL -> batches),
+                               checked once), config.py (omegaconf), data.py (rows -> batches; ids),
                                hub.py (from_pretrained, pad token, file hash), versions.py,
                                extras.py (optional packages: import, or one line naming the extra)
 

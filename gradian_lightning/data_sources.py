@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gradian_lightning.data import Fields, read_jsonl
+from gradian_lightning.data import ID_BATCH, Fields, id_hashes, read_jsonl
 from gradian_lightning.errors import DataError
 
 # The datasets builder that reads each data file suffix (after a compression suffix, if any).
@@ -41,7 +41,6 @@ BUILDERS = {
     ".tsv": "csv",
 }
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".zstd")
-ID_BATCH = 8192  # ids read per batch by the repeated-id check: its memory (~1 MB), whatever the rows
 
 
 def builder_of(path: Path) -> Optional[str]:
@@ -238,17 +237,6 @@ def ids_of(dataset: Any, fields: Fields) -> Iterator[List[Any]]:
     column = dataset.select_columns([fields.id])
     for lo in range(0, len(dataset), ID_BATCH):
         yield column[lo : lo + ID_BATCH][fields.id]
-
-
-def id_hashes(batches: Iterator[Sequence[Any]], total: int) -> np.ndarray:
-    """int64 [total]: a 64-bit hash of each id's string form (its stored form: 7 and "7" are one id),
-    -1 where there is no id. 8 bytes a row, where a set of the strings would be ~70."""
-    out = np.full(total, -1, dtype=np.int64)
-    at = 0
-    for batch in batches:
-        out[at : at + len(batch)] = [hash(str(v)) if v is not None else -1 for v in batch]
-        at += len(batch)
-    return out
 
 
 def first_repeat(hashes: np.ndarray, id_at: Any) -> Optional[Tuple[int, int]]:

@@ -26,6 +26,7 @@ class RecordingIndexer(GradientIndexer):
 
 
 def test_two_ranks_write_the_same_index_as_one(tmp_path, model, tokenizer, rows):
+    rows[0]["id"] = "café ☕"  # ids cross ranks as UTF-8 bytes, of other lengths on each rank
     dataset = JsonlDataset(rows, tokenizer, 64)  # 7 rows: the sampler pads rank 1 with a duplicate
     loader = DataLoader(dataset, batch_size=2, collate_fn=collate)
     for name, kwargs in (("one", {"devices": 1}), ("two", {"devices": 2, "strategy": "ddp_fork"})):

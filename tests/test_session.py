@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, IndexSession, IndexSpec, open_index
 from gradian_lightning.data import JsonlDataset, collate
-from gradian_lightning.errors import GradianError
+from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.gradients.batch import GradientRows
 from gradian_lightning.gradients.capture import select_modules
 
@@ -84,6 +84,25 @@ def test_calls_out_of_order_are_one_line(tmp_path, model, dataset):
         session.finish()
     with pytest.raises(GradianError, match=r"^IndexSession.compute outside begin\(\) ... finish\(\)"):
         session.add(batch)
+
+
+def test_a_session_alone_names_itself_in_its_errors(tmp_path, model, dataset):
+    """Made standalone, its argument and batch errors name IndexSession, the call the user wrote."""
+    for kwargs, message in (
+        ({"rows_per_chunk": 0}, "IndexSession(rows_per_chunk=0) is not allowed; use None or an integer >= 1"),
+        ({"path": "runs/{name}"}, "IndexSession(path='runs/{name}'): the only placeholder a path may hold is {step}"),
+        ({"meta": {"when": float("nan")}}, "IndexSession(meta=...) cannot be stored in the index attributes"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            IndexSession(SPEC, **{"path": tmp_path / "ix", **kwargs})
+        assert str(err.value).startswith(message)
+    session = IndexSession(SPEC, tmp_path / "ix")
+    session.bind(model)
+    session.begin(len(dataset))
+    with pytest.raises(GradianError, match=r"^IndexSession needs dict batches with an 'index' entry"):
+        session.add({"input_ids": torch.zeros(1, 2, dtype=torch.long)})
+    with pytest.raises(ConfigError, match=r"^GradientIndexer\(rows_per_chunk=0\) is not allowed"):
+        GradientIndexer(tmp_path / "ix", rows_per_chunk=0)  # through the callback, the callback's name
 
 
 def test_an_exception_keeps_the_rows_computed_before_it_and_the_rerun_resumes(tmp_path, model, dataset):

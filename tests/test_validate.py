@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import ROWS, write_jsonl
+from conftest import MAPPED, ROWS, write_jsonl, write_renamed_parquet
 
 from gradian_lightning.cli import main
 from gradian_lightning.errors import ConfigError
@@ -207,6 +207,30 @@ def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, sa
         reference_spearman(first[:, q] - first.mean(axis=1), second[:, q] - second.mean(axis=1)) for q in range(3)
     ]
     assert report["ceiling"]["centred_lds"] == pytest.approx(np.nanmean(centred_ceiling), abs=1e-9)
+
+
+def test_a_parquet_file_with_renamed_columns_validates_as_its_jsonl_twin(tmp_path, saved_model, capsys):
+    """validate reads data.train and query.data as gradian index does: any source, through the
+    data.*_field mapping; the same rows give the same subsets, losses and LDS."""
+    reports = []
+    for write, suffix, mapped in ((write_jsonl, ".jsonl", ()), (write_renamed_parquet, ".parquet", MAPPED)):
+        folder = tmp_path / suffix[1:]
+        folder.mkdir()
+        common = [
+            f"model.name_or_path={saved_model}",
+            f"data.train={write(folder / f'train{suffix}', ROWS)}",
+            f"query.data={write(folder / f'queries{suffix}', ROWS[:3])}",
+            f"index.path={folder / 'ix'}",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+            *mapped,
+        ]
+        assert main(["index", *common]) == 0
+        settings = ["validate.num_subsets=3", "validate.epochs=1", "validate.batch_size=4"]
+        assert main(["validate", *common, f"validate.output={folder / 'out'}", *settings]) == 0
+        reports.append(json.loads((folder / "out" / "lds.json").read_text()))
+    capsys.readouterr()
+    assert reports[1] == reports[0] and reports[0]["queries"] == 3
 
 
 def test_top_k_all_ranks_every_row(tmp_path, saved_model, capsys):

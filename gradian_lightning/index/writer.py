@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.data_sources import ID_BATCH, id_hashes
+from gradian_lightning.data import ID_BATCH, id_hashes
 from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
 from gradian_lightning.gradients.projection import ModuleBlock
 from gradian_lightning.index.layout import (

@@ -152,7 +152,7 @@ def run_index(
     checkpoints = saved_models(cfg.model.checkpoints or [])
     indexer = GradientIndexer(
         cfg.index.path,
-        **spec.to_meta(),
+        spec=spec,
         overwrite=cfg.index.overwrite,
         meta=meta,  # an s3:// or gs:// index.path whose filesystem is not installed fails here too
         rows_per_chunk=cfg.index.rows_per_chunk,

@@ -19,7 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from gradian_lightning.config import require
-from gradian_lightning.data import read_jsonl, row_snippet
+from gradian_lightning.data import Fields, row_snippet
+from gradian_lightning.data_sources import indexed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.topk import score_all
@@ -29,6 +30,7 @@ from gradian_lightning.recipes.query import (
     describe_scoring,
     make_query_rows,
     open_for_query,
+    read_queries,
 )
 from gradian_lightning.report.html import render
 from gradian_lightning.specs import QuerySpec
@@ -145,14 +147,18 @@ def run_report(cfg: Any) -> Path:
     out = Path(cfg.report.output) if cfg.report.output else results_path.with_suffix(".html")
     check_writable(out, "report.output")
     results = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
-    queries = read_jsonl(cfg.query.data)
+    queries = read_queries(cfg)
     if [str(q.get("id", i)) for i, q in enumerate(queries)] != [r["query_id"] for r in results]:
         raise ConfigError(
             f"setting 'query.output'={str(results_path)!r} holds results of other queries than query.data={str(cfg.query.data)!r}; rerun gradian query, or point query.data at the queries it answered"
         )
     index, spec, given = open_for_query(cfg)
-    data = index.meta.data
-    train_rows = read_jsonl(data.get("path") or cfg.data.train)
+    # Row texts only from the very data that was indexed, by position, read as gradian query reads them.
+    train_rows, why = indexed_rows(index.meta.data_segments(), Fields.from_config(cfg.data))
+    if train_rows is None:
+        raise ConfigError(
+            f"gradian report shows the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data, then rerun gradian report"
+        )
     q = QuerySpec.from_config(cfg.query)
     made = make_query_rows(cfg, index, queries, spec, given, q.checkpoints, keep_models=cfg.report.token_rows > 0)
     scorers = made.scorers(q)
