@@ -10,6 +10,7 @@ from conftest import WORDS, make_model, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.errors import ConfigError, DataError
+from gradian_lightning.index.location import LOCK_FILE
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.query import run_query
 
@@ -119,3 +120,27 @@ def test_appending_with_other_weights_or_settings_is_refused(tmp_path, saved_mod
     ):
         run_index(settings(saved_model, second, tmp_path / "ix", "index.append=true"))
     assert len(open_index(tmp_path / "ix")) == 10 and open_index(tmp_path / "ix").meta["complete"]
+
+
+def files_of(path):
+    """Every file under `path` and its bytes: what a refused command must leave as it found it."""
+    files = (p for p in sorted(path.rglob("*")) if p.is_file() and p.name != LOCK_FILE)  # the lock is no part of it
+    return {str(p.relative_to(path)): p.read_bytes() for p in files}
+
+
+def test_a_refused_append_leaves_the_index_as_it_found_it(tmp_path, saved_model):
+    first, second = write_jsonl(tmp_path / "a.jsonl", ROWS[:10]), write_jsonl(tmp_path / "b.jsonl", ROWS[10:])
+    run_index(settings(saved_model, first, tmp_path / "ix"))
+    before, meta = files_of(tmp_path / "ix"), dict(open_index(tmp_path / "ix").meta)
+    # The repeated id is the last appended row: a check at write time would grow the index first.
+    repeated = write_jsonl(tmp_path / "c.jsonl", [{"id": "x", "text": "the sky"}, {"id": "y", "text": "a"}, ROWS[4]])
+    with pytest.raises(DataError, match=r"appended row id 'r4' is also the id of row 5 of the index"):
+        run_index(settings(saved_model, repeated, tmp_path / "ix", "index.append=true"))
+    assert files_of(tmp_path / "ix") == before
+    assert dict(open_index(tmp_path / "ix").meta) == meta and meta["complete"] and meta["num_rows"] == 10
+    # Settings are checked before the first byte changes too.
+    with pytest.raises(ConfigError, match=r"differing: .*projection.dim \(4 -> 2\)"):
+        run_index(settings(saved_model, second, tmp_path / "ix", "index.append=true", "grads.projection_dim=2"))
+    assert files_of(tmp_path / "ix") == before
+    done = run_index(settings(saved_model, second, tmp_path / "ix", "index.append=true"))
+    assert done["complete"] and done["rows"] == 20 and done["computed_rows"] == 10

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -71,6 +71,31 @@ def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     ] or ["fingerprint"]
 
 
+class StoredIds:
+    """The ids of the first `rows` rows of the index `group` at `path`, held as sorted 64-bit
+    hashes and their positions (16 bytes a row), to refuse appended rows that repeat one."""
+
+    def __init__(self, group: zarr.Group, rows: int, path: Any) -> None:
+        self.group, self.path = group, path
+        hashes = id_hashes(
+            (group["id"][lo : min(lo + ID_BATCH, rows)].tolist() for lo in range(0, rows, ID_BATCH)), rows
+        )
+        self.order = np.argsort(hashes, kind="stable")
+        self.hashes = hashes[self.order]
+
+    def refuse(self, ids: Iterable[Any]) -> None:
+        """`DataError` naming the first of `ids` (appended rows' ids) that a stored row holds."""
+        for value in ids:
+            h = hash(str(value))
+            at = int(np.searchsorted(self.hashes, h))
+            while at < len(self.hashes) and self.hashes[at] == h:
+                if str(self.group["id"][int(self.order[at])]) == str(value):
+                    raise DataError(
+                        f"appended row id {str(value)!r} is also the id of row {int(self.order[at]) + 1} of the index at {str(self.path)!r}; ids name rows in results, so appended rows need ids of their own (rows without an id column are numbered on by gradian index)"
+                    )
+                at += 1
+
+
 class IndexWriter:
     """Writes rows at their dataset positions, a whole chunk at a time, and resumes killed runs.
 
@@ -98,7 +123,7 @@ class IndexWriter:
         # append: this run's num_rows rows go after the `offset` rows of the complete index at path
         # (`_open_to_append`); `write` and `todo` then speak of this run's rows, 0 .. num_rows - 1.
         self.append, self.offset = append, 0
-        self._old_ids: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self._old_ids: Optional[StoredIds] = None
         # The spec's one record of the storage dtype is what this writer encodes with.
         spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
         self.meta = {
@@ -214,7 +239,7 @@ class IndexWriter:
             self.num_rows, self.meta = int(old["num_rows"]), {**old, "complete": False}
             group = self.path.open_group("r+")
             group.attrs[ATTRIBUTE] = self.meta
-            self._old_ids = self._id_hashes(group, self.offset)
+            self._old_ids = StoredIds(group, self.offset, self.path)
             return group
         if old.get("checkpoints"):
             raise ConfigError(
@@ -254,31 +279,9 @@ class IndexWriter:
                     array[self.offset :] = np.full(self.num_rows - self.offset, ROW_ARRAYS[name][1], dtype=array.dtype)
         if has_member(group, STATISTICS_GROUP, zarr.Group):
             group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)  # its whitened norms are of the old rows only
-        self._old_ids = self._id_hashes(group, self.offset)
+        self._old_ids = StoredIds(group, self.offset, self.path)
         group.attrs[ATTRIBUTE] = self.meta
         return group
-
-    @staticmethod
-    def _id_hashes(group: zarr.Group, rows: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(sorted hashes, their positions) of the ids of the first `rows` rows: 16 bytes a row."""
-        hashes = id_hashes(
-            (group["id"][lo : min(lo + ID_BATCH, rows)].tolist() for lo in range(0, rows, ID_BATCH)), rows
-        )
-        order = np.argsort(hashes, kind="stable")
-        return hashes[order], order
-
-    def _refuse_repeated_ids(self, ids: Sequence[str]) -> None:
-        """`DataError` naming an appended row's id that a row of the index before it holds."""
-        hashes, order = self._old_ids
-        for value in ids:
-            h = hash(str(value))
-            at = int(np.searchsorted(hashes, h))
-            while at < len(hashes) and hashes[at] == h:
-                if str(self.group["id"][int(order[at])]) == str(value):
-                    raise DataError(
-                        f"appended row id {str(value)!r} is also the id of row {int(order[at]) + 1} of the index at {str(self.path)!r}; ids name rows in results, so appended rows need ids of their own (rows without an id column are numbered on by gradian index)"
-                    )
-                at += 1
 
     def write(
         self,
@@ -296,7 +299,7 @@ class IndexWriter:
         """
         indices = [int(i) + self.offset for i in indices]
         if self._old_ids is not None:
-            self._refuse_repeated_ids(ids)
+            self._old_ids.refuse(ids)
         finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(loss)
         grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
         stored, scales = encode(grads, self.storage_dtype, self.blocks)

@@ -11,7 +11,7 @@ import inspect
 import logging
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -22,11 +22,12 @@ from torch.utils.data import DataLoader
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
 from gradian_lightning.data import Fields, TokenizedRows, collate
-from gradian_lightning.data_sources import describe_source, index_segments, open_rows, streamed_rows
+from gradian_lightning.data_sources import describe_source, ids_of, index_segments, open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
+from gradian_lightning.index.writer import StoredIds
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
 from gradian_lightning.specs import IndexSpec
@@ -143,11 +144,14 @@ def run_index(
         "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
         "data": data_meta(cfg, source, rows),
     }
+    # Appended rows without an id are numbered on from the index's rows (index/writer.py).
+    first_id = appended_after(str(cfg.index.path), meta["data"]) if cfg.index.append else 0
+    if first_id:  # a repeated id is refused before the index grows: a refused append changes no byte of it
+        stored = Location(str(cfg.index.path)).open_group("r")
+        StoredIds(stored, first_id, cfg.index.path).refuse(appended_ids(rows, fields, first_id))
     # Read forward with plain reads from here, and this Dataset's memory map closes with it: every
     # page read through a map stays in RSS (data_sources.StreamedRows).
     rows = streamed_rows(rows)
-    # Appended rows without an id are numbered on from the index's rows (index/writer.py).
-    first_id = appended_after(str(cfg.index.path), meta["data"]) if cfg.index.append else 0
     # Steps and learning rates of model.checkpoints: a bad list fails before any model loads.
     checkpoints = saved_models(cfg.model.checkpoints or [])
     indexer = GradientIndexer(
@@ -205,6 +209,18 @@ def appended_after(path: str, data: Dict[str, Any]) -> int:
         return 0
     last = index_segments(stored)[-1]
     return int(last["offset"]) if last["data"] == data else int(stored["num_rows"])
+
+
+def appended_ids(rows: Any, fields: Fields, first_id: int) -> Iterator[str]:
+    """The ids the rows of the Dataset `rows` get in an index they are appended to after
+    `first_id` rows: their id column's, else (no column, or null) `first_id` + position, as
+    `TokenizedRows` numbers them."""
+    at = first_id
+    for batch in ids_of(rows, fields):
+        for value in batch:
+            yield str(value) if value is not None else str(at)
+            at += 1
+    yield from (str(i) for i in range(at, first_id + len(rows)))  # the rows of a Dataset without an id column
 
 
 def _name(source: Any) -> str:
