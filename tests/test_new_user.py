@@ -136,6 +136,34 @@ def test_overwrite_replaces_an_index_of_another_configuration(tmp_path):
     assert np.array_equal(zarr.open_group(str(tmp_path / "ix"))["grads"][:], np.ones((4, 8), dtype=np.float32))
 
 
+def test_overwrite_recomputes_an_index_of_the_same_settings(tmp_path, saved_model, tokenizer, capsys):
+    """index.overwrite=true replaces a complete index of the same settings: new weights give new rows
+    (it used to say "already complete" and keep the old ones). An unfinished one of the same
+    settings and weights is resumed: the rows on disk are the rows it would compute."""
+    from conftest import make_model, tiny_settings
+
+    from gradian_lightning import open_index
+    from gradian_lightning.recipes.index import run_index
+
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    digest = lambda path: read_meta(path)["model"]["weights_sha256"]  # noqa: E731
+    run_index(tiny_settings(saved_model, data, tmp_path / "ix"))
+    old, was = open_index(tmp_path / "ix").rows(slice(None)), digest(tmp_path / "ix")
+    make_model(len(tokenizer), seed=1).save_pretrained(saved_model)  # the model, trained on: other weights
+    again = run_index(tiny_settings(saved_model, data, tmp_path / "ix", "index.overwrite=true"))
+    assert again["complete"] and again["kept_rows"] == 0 and again["computed_rows"] == len(ROWS)
+    fresh = run_index(tiny_settings(saved_model, data, tmp_path / "fresh"))
+    assert torch.equal(open_index(tmp_path / "ix").rows(slice(None)), open_index(tmp_path / "fresh").rows(slice(None)))
+    assert not torch.equal(open_index(tmp_path / "ix").rows(slice(None)), old)
+    assert digest(tmp_path / "ix") == digest(tmp_path / "fresh") != was and fresh["complete"]
+    # Unfinished, the same settings and weights: overwrite resumes it (what a rerun after Ctrl-C does).
+    cut = run_index(tiny_settings(saved_model, data, tmp_path / "cut", "trainer.limit_val_batches=1"))
+    assert not cut["complete"] and cut["rows"] > 0
+    done = run_index(tiny_settings(saved_model, data, tmp_path / "cut", "index.overwrite=true"))
+    assert done["complete"] and done["kept_rows"] == cut["rows"]
+    assert torch.equal(open_index(tmp_path / "cut").rows(slice(None)), open_index(tmp_path / "fresh").rows(slice(None)))
+
+
 def test_a_second_writer_is_refused_before_any_work(tmp_path):
     import subprocess
     import sys

@@ -71,6 +71,11 @@ def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     ] or ["fingerprint"]
 
 
+def _weights(meta: Dict[str, Any]) -> Optional[str]:
+    """The digest of the weights an index's rows were made with (None when not recorded)."""
+    return (meta.get("model") or {}).get("weights_sha256")
+
+
 class StoredIds:
     """The ids of the first `rows` rows of the index `group` at `path`, held as sorted 64-bit
     hashes and their positions (16 bytes a row), to refuse appended rows that repeat one."""
@@ -186,7 +191,10 @@ class IndexWriter:
                 and old.get("fingerprint") == self.meta.get("fingerprint")
                 and old.get("num_rows") == self.num_rows
             )
-            if same_job and old.get("global_step") == self.meta.get("global_step"):
+            # index.overwrite=true replaces even an index of this job, unless it is an unfinished one
+            # of these weights: its rows are the ones this run would compute, so a rerun resumes.
+            resumable = not overwrite or (same_job and not old.get("complete") and _weights(old) == _weights(self.meta))
+            if same_job and old.get("global_step") == self.meta.get("global_step") and resumable:
                 group = self.path.open_group("r+")
                 group.attrs[ATTRIBUTE] = {
                     **old,
@@ -251,7 +259,7 @@ class IndexWriter:
             raise ConfigError(
                 f"index.append=true adds rows made as the rows of the index at {str(self.path)!r} were, and these differ (differing: {', '.join(differing)}); append with its settings, or choose another index.path"
             )
-        was, now = ((m.get("model") or {}).get("weights_sha256") for m in (old, self.meta))
+        was, now = _weights(old), _weights(self.meta)
         if was != now:
             raise ConfigError(
                 f"index.append=true adds rows made with the weights the index at {str(self.path)!r} was built from (weights digest {was}); this model's are {now}; append with that model, or choose another index.path"
