@@ -238,6 +238,48 @@ def test_ctrl_c_says_a_rerun_resumes(monkeypatch, capsys):
     )
 
 
+def test_ctrl_c_inside_lightning_is_gradians_line_and_exit_130(tmp_path, saved_model, monkeypatch, capsys, caplog):
+    """Lightning catches KeyboardInterrupt itself, says "Detected KeyboardInterrupt" and calls
+    sys.exit(1); gradian index says what troubleshooting.md promises and exits 130, and the rows
+    written before the interrupt are kept for the rerun."""
+    import signal
+
+    from gradian_lightning.index.session import IndexSession
+
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    argv = [
+        "index",
+        f"model.name_or_path={saved_model}",
+        f"data.train={data}",
+        f"index.path={tmp_path / 'ix'}",
+        "grads.batch_size=2",
+        "index.rows_per_chunk=2",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    real, calls = IndexSession.compute, []
+
+    def interrupted_at_the_third_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(IndexSession, "compute", interrupted_at_the_third_batch)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert (
+        "gradian index: interrupted: the rows written so far are kept; rerun the same command to resume from them"
+        in err
+    )
+    assert "Detected KeyboardInterrupt" not in err + caplog.text
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Lightning's SIG_IGN is undone
+    assert int(zarr.open_group(str(tmp_path / "ix"), mode="r")["complete"][:].sum()) == 4  # two batches
+    monkeypatch.setattr(IndexSession, "compute", real)
+    assert main(argv) == 0
+    assert f"resumed: 4 rows kept from an interrupted run, {len(ROWS) - 4} computed now" in capsys.readouterr().out
+
+
 def test_every_setting_may_be_an_override_without_a_yaml(tmp_path, saved_model, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     common = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import signal
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -53,8 +54,43 @@ class _NoAdvert(logging.Filter):
 
 
 # Lightning's rank-zero messages go to whichever of these two loggers was set up last.
-for _name_ in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+for _name_ in _RANK_ZERO_LOGGERS:
     logging.getLogger(_name_).addFilter(_NoAdvert())
+
+
+class _NoInterruptLine(logging.Filter):
+    """Drops Lightning's "Detected KeyboardInterrupt" line while gradian index runs: gradian says
+    what was kept and how to resume instead (cli.py)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Detected KeyboardInterrupt" not in str(record.msg)
+
+
+def validate_or_interrupt(trainer: L.Trainer, module: L.LightningModule, loader: DataLoader) -> None:
+    """`trainer.validate`, with Ctrl-C raised as the KeyboardInterrupt it was.
+
+    Lightning catches KeyboardInterrupt itself (`_call_and_handle_interrupt`): it calls the
+    callbacks' `on_exception` (the indexer keeps its rows there), ignores SIGINT from then on, logs
+    its own line and calls `sys.exit(1)`. The SystemExit it raises carries the KeyboardInterrupt as
+    its context; that alone is turned back into KeyboardInterrupt, with the SIGINT handler restored.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    quiet = _NoInterruptLine()
+    loggers = [logging.getLogger(name) for name in _RANK_ZERO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        trainer.validate(module, dataloaders=loader, verbose=False)
+    except SystemExit as err:
+        if not isinstance(err.__context__, KeyboardInterrupt):
+            raise
+        raise KeyboardInterrupt from None
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+        if handler is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, handler)
 
 
 class IndexProgressBar(TQDMProgressBar):
@@ -187,7 +223,7 @@ def run_index(
             session.checkpoint_as(saved.step, saved.lr)
         if run:
             trainer = make_trainer(cfg, [indexer])
-        trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
+        validate_or_interrupt(trainer, CausalLMModule(model), loader)
         if trainer.is_global_zero and len(session.summaries) != run + 1:
             raise GradianError(
                 "indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)"
