@@ -1,6 +1,7 @@
 """Bad input gets one clear line and loses nothing; NaN never lands in the index silently."""
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -193,3 +194,19 @@ def test_out_of_memory_names_the_loss_chunk_lever_when_it_is_off(tmp_path, model
             f"fp32 logits alone need {human_bytes(fp32_logit_bytes(64, vocab))}" in err
             and "grads.loss_chunk_tokens=256" not in err
         )
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+def test_an_impossible_index_path_is_refused_before_the_model_loads(tmp_path, saved_model, capsys, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before index.path was checked")
+
+    monkeypatch.setattr("gradian_lightning.recipes.index.load_model_and_tokenizer", no_model)
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    argv = index_args(tmp_path, saved_model, data)
+    code, _, err = run(capsys, *argv[:4], "index.path=/proc/gradian-test/ix", *argv[5:])
+    assert code == 2 and err.startswith(
+        "gradian index: error: setting 'index.path'='/proc/gradian-test/ix' cannot be created ("
+    )
+    assert err.endswith("point index.path at a folder you can write")
+    assert not Path("/proc/gradian-test").exists()
