@@ -129,6 +129,10 @@ class IndexWriter:
         # (`_open_to_append`); `write` and `todo` then speak of this run's rows, 0 .. num_rows - 1.
         self.append, self.offset = append, 0
         self._old_ids: Optional[StoredIds] = None
+        # The metadata and statistics' whitened damping of the complete index this run grew, and
+        # whether a refused row put them back (the writer then writes nothing more).
+        self._found: Optional[Tuple[Dict[str, Any], Any]] = None
+        self._undone = False
         # The spec's one record of the storage dtype is what this writer encodes with.
         spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
         self.meta = {
@@ -285,8 +289,11 @@ class IndexWriter:
                 array.resize((total, *array.shape[1:]))
                 if name in ROW_ARRAYS:  # the new rows start unwritten, whatever a partial last chunk held
                     array[self.offset :] = np.full(self.num_rows - self.offset, ROW_ARRAYS[name][1], dtype=array.dtype)
+        whitened = None
         if has_member(group, STATISTICS_GROUP, zarr.Group):
-            group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)  # its whitened norms are of the old rows only
+            # its whitened norms are of the old rows only
+            whitened = group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)
+        self._found = (old, whitened)  # what a refused appended row puts back (`_undo_append`)
         self._old_ids = StoredIds(group, self.offset, self.path)
         group.attrs[ATTRIBUTE] = self.meta
         return group
@@ -307,7 +314,11 @@ class IndexWriter:
         """
         indices = [int(i) + self.offset for i in indices]
         if self._old_ids is not None:
-            self._old_ids.refuse(ids)
+            try:
+                self._old_ids.refuse(ids)
+            except DataError:
+                self._undo_append()
+                raise
         finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(loss)
         grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
         stored, scales = encode(grads, self.storage_dtype, self.blocks)
@@ -328,6 +339,26 @@ class IndexWriter:
                 lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.num_rows)
                 if int(self.done[lo:hi].sum()) + len(self._pending[c]) == hi - lo:
                     self._flush(c)
+
+    def _undo_append(self) -> None:
+        """Put the complete index this append grew back as it was found, byte for byte: the rows
+        past `offset` and their chunks go (a shared last chunk back to its fill values, as it was
+        written), and the metadata and statistics' attributes return. Nothing is written after."""
+        if self._found is None:
+            return  # a resumed append: the index was already unfinished, and stays so
+        (old, whitened), group = self._found, self.group
+        for name in ("grads", NORMS, SCALES, *ROW_ARRAYS):
+            if has_member(group, name, zarr.Array):
+                array = group[name]
+                edge = min(array.shape[0], -(-self.offset // array.chunks[0]) * array.chunks[0])
+                if edge > self.offset:  # the old rows' last chunk also holds new rows: zarr keeps them past a shrink
+                    array[self.offset : edge] = array.fill_value
+                array.resize((self.offset, *array.shape[1:]))
+        if whitened is not None:
+            group[STATISTICS_GROUP].attrs[WHITENED_DAMPING] = whitened
+        group.attrs[ATTRIBUTE] = old
+        self._pending.clear()
+        self.done, self.num_rows, self.meta, self._undone = self.done[: self.offset], self.offset, old, True
 
     @contextlib.contextmanager
     def _disk_full_is_one_line(self) -> Iterator[None]:
@@ -386,6 +417,9 @@ class IndexWriter:
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
         """Flush every buffered row, store the row statistics (and, once every row is written, the
         rows' whitened norms); mark the index complete when every row is. Returns that flag."""
+        if self._undone:  # a refused append put the complete index back: leave it so
+            self._release()
+            return True
         try:
             with self._disk_full_is_one_line():
                 for c in sorted(self._pending):
