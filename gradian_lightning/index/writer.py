@@ -73,9 +73,9 @@ def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     ] or ["fingerprint"]
 
 
-def _weights(meta: Dict[str, Any]) -> Optional[str]:
+def _weights(attrs: Dict[str, Any]) -> Optional[str]:
     """The digest of the weights an index's rows were made with (None when not recorded)."""
-    return (meta.get("model") or {}).get("weights_sha256")
+    return (attrs.get("model") or {}).get("weights_sha256")
 
 
 class StoredIds:
@@ -136,15 +136,16 @@ class IndexWriter:
         self._found: Optional[Tuple[Dict[str, Any], Any]] = None
         self._undone = False
         # The spec's one record of the storage dtype is what this writer encodes with.
-        spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
+        given = dict(meta)
+        spec = {**given.get("spec", {}), "storage_dtype": storage_dtype}
         # The module layout is the one record of the width: rows written without one are one block.
-        modules = meta.get("modules") or [row_block(width).to_entry()]
+        modules = given.get("modules") or [row_block(width).to_entry()]
         if sum(int(b["size"]) for b in modules) != width:
             raise GradianError(
                 f"IndexWriter(width={width}) does not match its module layout ({sum(int(b['size']) for b in modules)} values a row)"
             )
-        self.meta = {
-            **meta,
+        self.attrs = {
+            **given,
             "format_version": FORMAT_VERSION,
             "num_rows": num_rows,
             "modules": modules,
@@ -162,7 +163,7 @@ class IndexWriter:
             self._release(refused=True)
             raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
-        self.blocks = [ModuleBlock.from_entry(b) for b in self.meta["modules"]]
+        self.blocks = [ModuleBlock.from_entry(b) for b in self.attrs["modules"]]
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self.kept_rows = int(self.done[self.offset :].sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
@@ -171,7 +172,7 @@ class IndexWriter:
     @property
     def step(self) -> Optional[int]:
         """The global step of the weights the rows are made with, as the caller said (meta)."""
-        return self.meta.get("global_step")
+        return self.attrs.get("global_step")
 
     @property
     def todo(self) -> np.ndarray:
@@ -194,21 +195,25 @@ class IndexWriter:
     def _open_or_create_unchecked(self, overwrite: bool) -> zarr.Group:
         if not self.path.is_empty():
             old = stored_meta(self.path)
+            if old is not None and old.get("format_version") != FORMAT_VERSION and not overwrite:
+                IndexMeta.from_attrs(old, repr(str(self.path)))  # refused in one line, naming the version
             if (
                 self.append
                 and old is not None
-                and (old.get("segments") or old.get("fingerprint") != self.meta.get("fingerprint"))
+                and (old.get("segments") or old.get("fingerprint") != self.attrs.get("fingerprint"))
             ):
                 return self._open_to_append(old)
             same_job = (
                 old is not None
-                and old.get("fingerprint") == self.meta.get("fingerprint")
+                and old.get("fingerprint") == self.attrs.get("fingerprint")
                 and old.get("num_rows") == self.num_rows
             )
             # index.overwrite=true replaces even an index of this job, unless it is an unfinished one
             # of these weights: its rows are the ones this run would compute, so a rerun resumes.
-            resumable = not overwrite or (same_job and not old.get("complete") and _weights(old) == _weights(self.meta))
-            if same_job and old.get("global_step") == self.meta.get("global_step") and resumable:
+            resumable = not overwrite or (
+                same_job and not old.get("complete") and _weights(old) == _weights(self.attrs)
+            )
+            if same_job and old.get("global_step") == self.attrs.get("global_step") and resumable:
                 group = self.path.open_group("r+")
                 group.attrs[ATTRIBUTE] = {
                     **old,
@@ -221,7 +226,7 @@ class IndexWriter:
                         f"index.path {str(self.path)!r} holds something that is not a Gradian index; choose another index.path or pass index.overwrite=true to replace it"
                     )
                 raise ConfigError(
-                    f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.meta))}); "
+                    f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.attrs))}); "
                     "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
                 )
             self.path.remove_index(holds_index=old is not None)
@@ -241,12 +246,12 @@ class IndexWriter:
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
-        modules = len(self.meta["modules"])
+        modules = len(self.attrs["modules"])
         for name in (NORMS, SCALES) if self.storage_dtype == "int8" else (NORMS,):
             group.create_array(
                 name, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
             )
-        group.attrs[ATTRIBUTE] = self.meta
+        group.attrs[ATTRIBUTE] = self.attrs
         return group
 
     def _open_to_append(self, old: Dict[str, Any]) -> zarr.Group:
@@ -254,13 +259,13 @@ class IndexWriter:
         run if it is the index's last append, else checking the index takes them (the same
         identity but for the data, the same weights, complete) and growing every per-row array."""
         segments = IndexMeta.from_attrs(old, repr(str(self.path))).data_segments()
-        run = {"data": self.meta.get("data"), "rows": self.num_rows, "fingerprint": self.meta.get("fingerprint")}
+        run = {"data": self.attrs.get("data"), "rows": self.num_rows, "fingerprint": self.attrs.get("fingerprint")}
         last = segments[-1]
         if last.get("fingerprint") == run["fingerprint"] and last["rows"] == self.num_rows:
             self.offset = int(last["offset"])  # an interrupted (or finished) append of these rows: resume it
-            self.num_rows, self.meta = int(old["num_rows"]), {**old, "complete": False}
+            self.num_rows, self.attrs = int(old["num_rows"]), {**old, "complete": False}
             group = self.path.open_group("r+")
-            group.attrs[ATTRIBUTE] = self.meta
+            group.attrs[ATTRIBUTE] = self.attrs
             self._old_ids = StoredIds(group, self.offset, self.path)
             return group
         if old.get("checkpoints"):
@@ -268,12 +273,12 @@ class IndexWriter:
                 f"index.append=true adds rows to a one-checkpoint index, and {str(self.path)!r} holds checkpoints; choose another index.path"
             )
         same = {"data": None, "num_rows": 0}
-        differing = [k for k in differing_keys({**old, **same}, {**self.meta, **same}) if k != "fingerprint"]
+        differing = [k for k in differing_keys({**old, **same}, {**self.attrs, **same}) if k != "fingerprint"]
         if differing:
             raise ConfigError(
                 f"index.append=true adds rows made as the rows of the index at {str(self.path)!r} were, and these differ (differing: {', '.join(differing)}); append with its settings, or choose another index.path"
             )
-        was, now = _weights(old), _weights(self.meta)
+        was, now = _weights(old), _weights(self.attrs)
         if was != now:
             raise ConfigError(
                 f"index.append=true adds rows made with the weights the index at {str(self.path)!r} was built from (weights digest {was}); this model's are {now}; append with that model, or choose another index.path"
@@ -285,7 +290,7 @@ class IndexWriter:
         self.offset, total = int(old["num_rows"]), int(old["num_rows"]) + self.num_rows
         segments.append({**run, "offset": self.offset})
         self.num_rows = total
-        self.meta = {
+        self.attrs = {
             **old,
             "num_rows": total,
             "segments": segments,
@@ -305,7 +310,7 @@ class IndexWriter:
             whitened = group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)
         self._found = (old, whitened)  # what a refused appended row puts back (`_undo_append`)
         self._old_ids = StoredIds(group, self.offset, self.path)
-        group.attrs[ATTRIBUTE] = self.meta
+        group.attrs[ATTRIBUTE] = self.attrs
         return group
 
     def write(
@@ -368,7 +373,7 @@ class IndexWriter:
             group[STATISTICS_GROUP].attrs[WHITENED_DAMPING] = whitened
         group.attrs[ATTRIBUTE] = old
         self._pending.clear()
-        self.done, self.num_rows, self.meta, self._undone = self.done[: self.offset], self.offset, old, True
+        self.done, self.num_rows, self.attrs, self._undone = self.done[: self.offset], self.offset, old, True
 
     @contextlib.contextmanager
     def _disk_full_is_one_line(self) -> Iterator[None]:
@@ -445,7 +450,7 @@ class IndexWriter:
                     self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
                     DEFAULT_DAMPING if complete else None,  # the default query's damping: it never whitens a chunk
                 )
-                self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
+                self.group.attrs[ATTRIBUTE] = {**self.attrs, **(extra_meta or {}), "complete": complete}
         finally:
             self._release()
         return complete
