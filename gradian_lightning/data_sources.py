@@ -74,8 +74,9 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
-def _split_of(dataset: Any, source: str, split: Optional[str], key: str) -> Any:
-    """One split of a `DatasetDict`: `split`, else its only one, else "train"."""
+def _split_of(dataset: Any, source: str, folder: str, split: Optional[str], key: str) -> Any:
+    """One split of a `DatasetDict` saved at `folder` (`source` as the user wrote it, with its
+    `:split` if any): `split`, else its only one, else "train"."""
     from datasets import DatasetDict
 
     if not isinstance(dataset, DatasetDict):
@@ -83,7 +84,11 @@ def _split_of(dataset: Any, source: str, split: Optional[str], key: str) -> Any:
     names = list(dataset)
     chosen = split or (names[0] if len(names) == 1 else "train" if "train" in names else None)
     if chosen not in names:
-        raise DataError(f"setting '{key}'={source!r} holds the splits {names}; name one as {key}={source}:{names[0]}")
+        if split:  # the suggestion is the folder's own name with a split it has, not `source:another`
+            raise DataError(
+                f"setting '{key}'={source!r}: {folder!r} has no split {split!r}, only {names}; name one as {key}={folder}:{names[0]}"
+            )
+        raise DataError(f"setting '{key}'={source!r} holds the splits {names}; name one as {key}={folder}:{names[0]}")
     return dataset[chosen]
 
 
@@ -118,7 +123,7 @@ def load_source(source: Any, key: str = "data.train") -> Any:
             return _load_file(path, builder, key)
         if path.is_dir():
             if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-                return _split_of(datasets.load_from_disk(str(path)), str(source), split, key)
+                return _split_of(datasets.load_from_disk(str(path)), str(source), text, split, key)
             return _load(lambda: datasets.load_dataset(str(path), split=split or "train"), source, key)
         if builder_of(path) is not None or os.sep in text or text.startswith("."):
             raise DataError(f"data file {text!r} does not exist; check {key}")
@@ -196,6 +201,12 @@ def _arrow_type_ok(feature: Any, wanted: str) -> bool:
     return False
 
 
+def _likely(part: str, columns: List[str]) -> str:
+    """The column most likely meant for `part` (prompt, completion, ...): its default name when
+    present, else the first column that is not the id."""
+    return part if part in columns else next((c for c in columns if c != "id"), columns[0])
+
+
 def check_columns(dataset: Any, fields: Fields, name: str) -> None:
     """`DataError` unless the mapped columns of `dataset` make one of the row formats, each of the
     type it must have. Reads only the schema; rows without a format fail when tokenised."""
@@ -206,6 +217,14 @@ def check_columns(dataset: Any, fields: Fields, name: str) -> None:
         "text": (fields.text,),
     }
     if not any(all(c in columns for c in cols) for cols in formats.values()):
+        # A column the user mapped (data.prompt_field=question) that is not there is the mistake to name.
+        default = Fields()
+        for part in vars(fields):
+            column = getattr(fields, part)
+            if column != getattr(default, part) and column not in columns and part != "id":
+                raise DataError(
+                    f"{name} has no column {column!r} (data.{part}_field); its columns are {sorted(columns)}: set data.{part}_field to one of them, e.g. data.{part}_field={_likely(part, sorted(columns))}"
+                )
         raise DataError(
             f"{name} has columns {sorted(columns)}; expected prompt+completion, messages, or text: map yours with data.prompt_field, data.completion_field, data.messages_field or data.text_field"
         )

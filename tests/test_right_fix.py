@@ -1,0 +1,99 @@
+"""Issue 42's items 9-13: each mistake gets a line naming what is wrong and a fix that works, the
+Python API takes what its names promise, and a run prints Gradian's lines and nothing else.
+
+| case (issue 42)                                          | test                                                        |
+|----------------------------------------------------------|-------------------------------------------------------------|
+| (9) a local model folder that does not exist             | test_a_missing_model_folder_says_no_such_folder             |
+| (9) data.prompt_field naming a column the file lacks     | test_a_mapped_field_the_file_lacks_is_named_with_the_columns |
+| (9) a JSONL file given as model.name_or_path             | test_a_data_file_given_as_the_model_says_it_is_data         |
+| (9) a user folder without an index at index.path         | test_a_user_folder_at_index_path_suggests_a_path_that_works |
+| (9) a DatasetDict split that is not there                | test_a_wrong_split_suggests_a_split_that_loads              |
+"""
+
+import datasets
+import pytest
+from conftest import ROWS, write_jsonl
+
+from gradian_lightning.cli import main
+from gradian_lightning.data_sources import open_rows
+from gradian_lightning.errors import DataError
+from gradian_lightning.hub import check_model_source
+from gradian_lightning.specs import Fields
+
+PROMPT_ROWS = [r for r in ROWS if "prompt" in r]
+
+
+def one_error_line(capsys, *argv):
+    """Run `gradian argv`; (exit status, the one `gradian ...: error:` line it printed)."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("gradian ")]
+    assert len(lines) == 1, err
+    return code, lines[0]
+
+
+def test_a_missing_model_folder_says_no_such_folder(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "small.jsonl", PROMPT_ROWS)
+    for missing in (f"{tmp_path}/nomodel", "./nomodel", "~/no/such/model/here"):
+        code, line = one_error_line(
+            capsys, "index", f"model.name_or_path={missing}", f"data.train={data}", f"index.path={tmp_path / 'ix'}"
+        )
+        assert code == 2
+        assert f"setting 'model.name_or_path'={missing!r}: no such folder" in line, line
+        assert "Repo id" not in line and "HuggingFaceTB/SmolLM2-135M-Instruct" in line
+    assert not (tmp_path / "ix").exists()
+    check_model_source("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub name is for from_pretrained to find
+
+
+def test_a_data_file_given_as_the_model_says_it_is_data(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "small.jsonl", PROMPT_ROWS)
+    code, line = one_error_line(
+        capsys, "index", f"model.name_or_path={data}", f"data.train={data}", f"index.path={tmp_path / 'ix'}"
+    )
+    assert code == 2
+    assert f"setting 'model.name_or_path'={str(data)!r} is a file, not a model folder" in line, line
+    assert "a data file goes in data.train" in line and "not a valid JSON file" not in line
+
+
+def test_a_mapped_field_the_file_lacks_is_named_with_the_columns(tmp_path):
+    data = write_jsonl(tmp_path / "small.jsonl", PROMPT_ROWS)
+    with pytest.raises(DataError) as refused:
+        open_rows(str(data), Fields(prompt="question"))
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "no column 'question' (data.prompt_field)" in line, line
+    assert "['completion', 'id', 'prompt']" in line and "data.prompt_field=prompt" in line
+    assert len(open_rows(str(data), Fields(prompt="prompt"))) == len(PROMPT_ROWS)  # the fix it names works
+
+
+def test_a_wrong_split_suggests_a_split_that_loads(tmp_path):
+    saved = tmp_path / "small_dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(PROMPT_ROWS)}).save_to_disk(str(saved))
+    with pytest.raises(DataError) as refused:
+        open_rows(f"{saved}:test", Fields())
+    line = str(refused.value)
+    assert f"'data.train'='{saved}:test'" in line and "no split 'test', only ['train']" in line, line
+    suggested = line.rsplit("data.train=", 1)[1].split()[0].rstrip(";,.")
+    assert suggested == f"{saved}:train"
+    assert len(open_rows(suggested, Fields())) == len(PROMPT_ROWS)  # the fix it names works
+
+
+def test_a_user_folder_at_index_path_suggests_a_path_that_works(tmp_path, saved_model, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "small.jsonl", PROMPT_ROWS)
+    (tmp_path / "userdir").mkdir()
+    (tmp_path / "userdir" / "notes.txt").write_text("mine")
+    settings = [
+        f"model.name_or_path={saved_model}",
+        f"data.train={data}",
+        "grads.max_seq_length=24",
+        "grads.projection_dim=4",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    code, line = one_error_line(capsys, "index", *settings, "index.path=userdir")
+    assert code == 2 and "'userdir'" in line and "notes.txt" in line, line
+    assert "index.overwrite=true" not in line  # refused for this very folder (remove_index)
+    suggested = line.rsplit("index.path=", 1)[1].split()[0].rstrip(";,.")
+    assert main(["index", *settings, f"index.path={suggested}"]) == 0  # the fix it names works
+    assert (tmp_path / "userdir" / "notes.txt").read_text() == "mine"
