@@ -8,7 +8,11 @@ Python API takes what its names promise, and a run prints Gradian's lines and no
 | (9) a JSONL file given as model.name_or_path             | test_a_data_file_given_as_the_model_says_it_is_data         |
 | (9) a user folder without an index at index.path         | test_a_user_folder_at_index_path_suggests_a_path_that_works |
 | (9) a DatasetDict split that is not there                | test_a_wrong_split_suggests_a_split_that_loads              |
+| (10) JsonlDataset("small.jsonl", tokenizer, 64)          | test_jsonl_dataset_takes_a_path_as_its_name_says            |
+| (10) the README shows how to build one                   | test_the_readme_builds_a_jsonl_dataset_and_its_loader       |
 """
+
+from pathlib import Path
 
 import datasets
 import pytest
@@ -97,3 +101,29 @@ def test_a_user_folder_at_index_path_suggests_a_path_that_works(tmp_path, saved_
     suggested = line.rsplit("index.path=", 1)[1].split()[0].rstrip(";,.")
     assert main(["index", *settings, f"index.path={suggested}"]) == 0  # the fix it names works
     assert (tmp_path / "userdir" / "notes.txt").read_text() == "mine"
+
+
+def test_jsonl_dataset_takes_a_path_as_its_name_says(tmp_path, tokenizer):
+    from gradian_lightning.data import JsonlDataset, read_jsonl
+
+    data = write_jsonl(tmp_path / "small.jsonl", ROWS)
+    from_path = JsonlDataset(str(data), tokenizer, 64)
+    from_rows = JsonlDataset(read_jsonl(data), tokenizer, 64)
+    assert len(from_path) == len(ROWS) and from_path.examples == from_rows.examples
+    assert JsonlDataset(data, tokenizer, 64).examples == from_rows.examples  # a Path as well as a str
+    assert from_path.source == str(data)  # row errors name the file
+    with pytest.raises(DataError, match=r"data file '.*nothere.jsonl' does not exist"):
+        JsonlDataset(str(tmp_path / "nothere.jsonl"), tokenizer, 64)
+    with pytest.raises(DataError, match=r"takes a JSONL file's path or a list of row dicts, and row 1 is a str"):
+        JsonlDataset(["small.jsonl"], tokenizer, 64)
+
+
+def test_the_readme_builds_a_jsonl_dataset_and_its_loader(tmp_path, tokenizer, monkeypatch):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b.split("\n", 1)[1] for b in readme.split("```python")[1:] if "JsonlDataset(" in b)
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "my_train.jsonl", ROWS)
+    scope = {"tokenizer": tokenizer}
+    exec(block.split("```", 1)[0], scope)
+    batch = next(iter(scope["train_loader"]))
+    assert batch["index"].tolist() == [0, 1, 2, 3] and batch["input_ids"].shape == batch["labels"].shape
