@@ -10,6 +10,7 @@ Python API takes what its names promise, and a run prints Gradian's lines and no
 | (9) a DatasetDict split that is not there                | test_a_wrong_split_suggests_a_split_that_loads              |
 | (10) JsonlDataset("small.jsonl", tokenizer, 64)          | test_jsonl_dataset_takes_a_path_as_its_name_says            |
 | (10) the README shows how to build one                   | test_the_readme_builds_a_jsonl_dataset_and_its_loader       |
+| (13) configs/smollm2.yaml, tests/smollm2.py               | test_the_example_config_names_the_hub_model_and_no_path_outside_a_clone |
 """
 
 from pathlib import Path
@@ -127,3 +128,25 @@ def test_the_readme_builds_a_jsonl_dataset_and_its_loader(tmp_path, tokenizer, m
     exec(block.split("```", 1)[0], scope)
     batch = next(iter(scope["train_loader"]))
     assert batch["index"].tolist() == [0, 1, 2, 3] and batch["input_ids"].shape == batch["labels"].shape
+
+
+def test_the_example_config_names_the_hub_model_and_no_path_outside_a_clone():
+    from gradian_lightning.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    assert (
+        load_config(root / "configs" / "smollm2.yaml", []).model.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    readable = [
+        *root.glob("configs/*.yaml"),
+        root / "README.md",
+        *root.glob("docs/**/*.md"),
+        *root.glob("examples/*.py"),
+        root / "benchmarks" / "common.py",
+    ]
+    for path in readable:
+        text = path.read_text()
+        assert "make-smollm2" not in text and "../shared" not in text, path  # not in a clone
+    import smollm2
+
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in smollm2.__doc__ and "make-smollm2" not in smollm2.__doc__
