@@ -3,11 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 from gradian_lightning.errors import GradianError
+
+PACKAGE = str(Path(__file__).resolve().parent)
+# Lightning's info lines ("GPU available: False, used: False", "TPU available: ...") speak to a
+# Trainer's user; a gradian user asked for an index. Its warnings still show.
+LIGHTNING_INFO = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+@contextlib.contextmanager
+def gradian_output(command: str) -> Iterator[None]:
+    """While a command runs: Gradian's own warnings as `gradian COMMAND: warning: ...` lines (not
+    Python's `.../cli.py:111: UserWarning:` form), Lightning's info lines and torch's LeafSpec
+    deprecation (raised by Lightning's code, nothing a gradian user can act on) not shown. The CLI's
+    only: the library warns Python API users as Python does. Everything is restored on exit."""
+    formatwarning = warnings.formatwarning
+
+    def gradian_format(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
+        if str(Path(filename).resolve()).startswith(PACKAGE):  # warned by gradian (its stacklevel stays inside)
+            return f"gradian {command}: warning: {message}\n"
+        return formatwarning(message, category, filename, lineno, line)
+
+    levels = {name: logging.getLogger(name).level for name in LIGHTNING_INFO}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated", category=FutureWarning)
+        warnings.formatwarning = gradian_format
+        for name in LIGHTNING_INFO:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = formatwarning
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
 
 
 def _print_index_summary(summary: Optional[dict]) -> None:
@@ -238,7 +273,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         args.config, args.overrides = None, [config, *args.overrides]  # every setting an override, no YAML
     try:
-        args.run(args)
+        with gradian_output(args.command):
+            args.run(args)
     except GradianError as err:
         print(f"gradian {args.command}: error: {err}", file=sys.stderr)
         return 2

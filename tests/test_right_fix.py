@@ -10,9 +10,14 @@ Python API takes what its names promise, and a run prints Gradian's lines and no
 | (9) a DatasetDict split that is not there                | test_a_wrong_split_suggests_a_split_that_loads              |
 | (10) JsonlDataset("small.jsonl", tokenizer, 64)          | test_jsonl_dataset_takes_a_path_as_its_name_says            |
 | (10) the README shows how to build one                   | test_the_readme_builds_a_jsonl_dataset_and_its_loader       |
+| (11) Lightning's device lines, LeafSpec, cli.py:111 warnings | test_a_run_prints_gradians_lines_and_nothing_else       |
+| (11) a stale .gradian-lock after every run               | test_the_lock_file_protects_a_live_writer_and_goes_with_it, test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again |
 | (13) configs/smollm2.yaml, tests/smollm2.py               | test_the_example_config_names_the_hub_model_and_no_path_outside_a_clone |
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -150,3 +155,82 @@ def test_the_example_config_names_the_hub_model_and_no_path_outside_a_clone():
     import smollm2
 
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in smollm2.__doc__ and "make-smollm2" not in smollm2.__doc__
+
+
+def test_the_lock_file_protects_a_live_writer_and_goes_with_it(tmp_path):
+    from gradian_lightning.errors import ConfigError
+    from gradian_lightning.index.location import LOCK_FILE, Location
+
+    hold = (
+        "import sys; from gradian_lightning.index.location import Location; "
+        f"loc = Location({str(tmp_path / 'ix')!r}); lock = loc.writer_lock(); print('held', flush=True); "
+        "sys.stdin.readline(); loc.unlock(lock, refused=False); print('released', flush=True); sys.stdin.readline()"
+    )
+    first = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"is being written by another gradian process \(pid {first.pid}\)"):
+            Location(tmp_path / "ix").writer_lock()
+        assert (tmp_path / "ix" / LOCK_FILE).is_file()  # the refused writer took nothing away
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "released"  # the first writer closed, its process alive
+        assert list((tmp_path / "ix").iterdir()) == []  # no stale lock file
+        second = Location(tmp_path / "ix")
+        lock = second.writer_lock()
+        assert lock is not None and (tmp_path / "ix" / LOCK_FILE).read_text() == str(os.getpid())
+        second.unlock(lock, refused=False)
+    finally:
+        first.communicate("\n")
+
+
+def test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again(tmp_path, monkeypatch):
+    import fcntl
+
+    from gradian_lightning.index import location
+
+    # The race unlock's removal opens: another writer opened the lock file, then the first removed
+    # it before this one's flock. That flock succeeds on a file no longer at the path; the writer
+    # must lock the path's file instead, or a third writer could lock a new file beside it.
+    loc, real_flock, removed = location.Location(tmp_path / "ix"), fcntl.flock, []
+
+    def flock_after_removal(handle, how):
+        if not removed:
+            removed.append(True)
+            (tmp_path / "ix" / location.LOCK_FILE).unlink()
+        return real_flock(handle, how)
+
+    monkeypatch.setattr(location.fcntl, "flock", flock_after_removal)
+    lock = loc.writer_lock()
+    assert removed and loc._holds(lock)
+    assert os.stat(tmp_path / "ix" / location.LOCK_FILE).st_ino == os.fstat(lock.fileno()).st_ino
+    loc.unlock(lock, refused=False)
+    assert not (tmp_path / "ix" / location.LOCK_FILE).exists()
+
+
+def test_a_run_prints_gradians_lines_and_nothing_else(tmp_path, saved_model):
+    # A real process: Lightning's log handlers and Python's warning display are set up as a user's are.
+    data = write_jsonl(tmp_path / "small.jsonl", PROMPT_ROWS)
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "grads.max_seq_length=24",
+        "grads.projection_dim=4",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    script = (
+        "import sys, json; from gradian_lightning.cli import main; "
+        f"assert main(['index', 'data.train={data}', *{common!r}]) == 0; "
+        f"open({str(data)!r}, 'a').write(json.dumps({{'prompt': 'what city ?', 'completion': ' lima'}}) + '\\n'); "
+        f"assert main(['query', 'data.train={data}', 'query.data={data}', *{common!r}]) == 0"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    for noise in ("GPU available", "TPU available", "LeafSpec", "cli.py", "UserWarning", "FutureWarning"):
+        assert noise not in out, out
+    said = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
+    assert len(said) == 1 and said[0].startswith("gradian query: warning: row texts are not shown: the training data")
+    assert os.listdir(tmp_path / "ix").count(".gradian-lock") == 0  # the lock goes with its writer

@@ -149,7 +149,9 @@ class Location:
         before it does any work, instead of failing minutes later on an array the first one made.
 
         The lock is a hidden file in the index folder (LOCK_FILE), locked with flock, so a killed
-        writer releases it with its process; it is never removed, so every writer locks one file. Returns the open lock file (close it to
+        writer releases it with its process. `unlock` removes it while still holding it, so a
+        finished run leaves no file behind; a writer that opened it just before that removal holds
+        a lock on a file no longer at the path, sees so, and locks the path's file again. Returns the open lock file (close it to
         release), or None where no lock is taken: a URL (object stores have no such lock), or a
         writer of this same process that an exception abandoned. Raises `ConfigError` when
         another process holds it.
@@ -157,28 +159,30 @@ class Location:
         if self.local is None or fcntl is None:
             return None
         self.check_creatable()
-        # What this lock adds to the user's disk, so that a refused run takes it away again (`unlock`).
-        self._made = [p for p in (self.local, *self.local.parents) if not p.exists()][::-1] + [
-            self.local / LOCK_FILE
-        ] * (not (self.local / LOCK_FILE).exists())
-        try:
-            self.local.mkdir(parents=True, exist_ok=True)
-            handle = open(self.local / LOCK_FILE, "a+")
-        except OSError as err:
-            raise ConfigError(
-                f"setting 'index.path'={self.text!r} cannot be created ({type(err).__name__}: {err.strerror or err}); point index.path at a folder you can write"
-            ) from None
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip()
-            handle.close()
-            if holder == str(os.getpid()):
-                return None
-            raise ConfigError(
-                f"index.path {self.text!r} is being written by another gradian process (pid {holder or '?'}); wait for it to finish, or choose another index.path"
-            ) from None
+        # The folders this lock adds to the user's disk, so that a refused run takes them away again (`unlock`).
+        self._made = [p for p in (self.local, *self.local.parents) if not p.exists()][::-1]
+        while True:
+            try:
+                self.local.mkdir(parents=True, exist_ok=True)
+                handle = open(self.local / LOCK_FILE, "a+")
+            except OSError as err:
+                raise ConfigError(
+                    f"setting 'index.path'={self.text!r} cannot be created ({type(err).__name__}: {err.strerror or err}); point index.path at a folder you can write"
+                ) from None
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip()
+                handle.close()
+                if holder == str(os.getpid()):
+                    return None
+                raise ConfigError(
+                    f"index.path {self.text!r} is being written by another gradian process (pid {holder or '?'}); wait for it to finish, or choose another index.path"
+                ) from None
+            if self._holds(handle):
+                break
+            handle.close()  # a finished writer removed the file between our open and our flock
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))
@@ -198,15 +202,26 @@ class Location:
                     )
                 return
 
+    def _holds(self, handle: IO[str]) -> bool:
+        """Whether the open, locked `handle` is the lock file now at this location (not one removed since)."""
+        try:
+            return os.stat(self.local / LOCK_FILE).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
     def unlock(self, handle: IO[str], refused: bool) -> None:
-        """Release `writer_lock`'s lock; after a refusal (`refused`), also remove the lock file and
-        the folders it made, when nothing else was put there: a refused run leaves the disk as it was."""
+        """Release `writer_lock`'s lock and remove its file (before the release: no other writer
+        holds a lock on it then); after a refusal (`refused`), also remove the folders it made, when
+        nothing else was put there: a refused run leaves the disk as it was."""
+        if self._holds(handle):
+            with contextlib.suppress(OSError):
+                (self.local / LOCK_FILE).unlink()
         handle.close()
         if not refused:
             return
         for made in reversed(getattr(self, "_made", [])):
             with contextlib.suppress(OSError):  # a folder something else was written to stays
-                made.rmdir() if made.is_dir() else made.unlink()
+                made.rmdir()
 
     def refuse_working_folder(self) -> None:
         """`ConfigError` when this is the working folder or a folder above it: never one to remove."""
