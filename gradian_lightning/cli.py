@@ -86,10 +86,53 @@ def _print_rows_summary(summary: dict, head: str, indent: str) -> None:
         print(f"{indent}rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
+# The paths each command reads, checked on the disk before torch imports (check_before_torch).
+DATA_KEYS = {
+    "index": ("data.train",),
+    "plan": ("data.train",),
+    "query": ("query.data",),
+    "report": ("query.data",),
+    "validate": ("data.train", "query.data"),
+}
+
+
+def check_before_torch(cfg: Any, command: str) -> None:
+    """The checks that need only the settings and the disk, made before torch, Lightning and
+    transformers import (seconds of start-up): the model (a folder that is not there, a file), the
+    data paths `command` reads, and `index.path` (a file where its folder should be, a URL without
+    its filesystem; for query and report, a local path with nothing there). A setting that is unset is left to
+    the recipe's `require`; what needs a model or a parsed file is checked by the recipe."""
+    from omegaconf import OmegaConf
+
+    from gradian_lightning.data_sources import check_source_path
+    from gradian_lightning.errors import ConfigError
+    from gradian_lightning.hub import check_model_source
+    from gradian_lightning.index.location import Location
+
+    def given(key: str) -> Optional[str]:
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)  # None when unset or "???"
+        return None if value is None else str(value)
+
+    if given("model.name_or_path") and not given("model.checkpoints"):
+        check_model_source(given("model.name_or_path"))
+    for key in DATA_KEYS.get(command, ()):
+        if given(key):
+            check_source_path(given(key), key)
+    path = given("index.path")
+    if path and command in ("index", "query", "report"):
+        where = Location(path)  # a URL whose filesystem is not installed fails here
+        where.check_creatable()
+        if command != "index" and where.local is not None and not where.exists():  # a bucket is asked by the reader
+            raise ConfigError(
+                f"setting 'index.path'={path!r}: nothing is there; point index.path at the folder `gradian index` wrote (the index.path it ran with)"
+            )
+
+
 def _index(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # settings errors before torch and Lightning import
+    check_before_torch(cfg, "index")
     from gradian_lightning.recipes.index import run_index
 
     _print_index_summary(run_index(cfg, announce=lambda line: print(line, flush=True)))
@@ -110,6 +153,7 @@ def _plan(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "plan")
     from gradian_lightning.recipes.plan import format_plan, make_plan, parse_bytes
 
     memory = parse_bytes(args.device_memory) if args.device_memory else None
@@ -141,6 +185,7 @@ def _query(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "query")
     from gradian_lightning.recipes.query import run_query
 
     answer = run_query(cfg)
@@ -155,6 +200,7 @@ def _validate(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "validate")
     from gradian_lightning.recipes.validate import run_validate
 
     report = run_validate(cfg)
@@ -185,6 +231,7 @@ def _report(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "report")
     from gradian_lightning.recipes.report import run_report
 
     print(f"gradian report: written to {run_report(cfg)}")

@@ -28,8 +28,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gradian_lightning.data import Fields, read_jsonl
 from gradian_lightning.errors import DataError
+from gradian_lightning.specs import Fields
 
 # The datasets builder that reads each data file suffix (after a compression suffix, if any).
 BUILDERS = {
@@ -111,23 +111,33 @@ def load_source(source: Any, key: str = "data.train") -> Any:
         raise DataError(
             f"{key} is a {type(source).__name__}; pass one split as a datasets.Dataset (an IterableDataset has no length, and rows land at their positions)"
         )
+    check_source_path(source, key)
     text, split = _split_path(str(source))
     path = Path(os.path.expanduser(text))
     with _quiet_datasets():
         if path.is_file():
-            builder = builder_of(path)
-            if builder is None:
-                raise DataError(
-                    f"setting '{key}'={str(source)!r}: the file type {''.join(path.suffixes) or '(none)'} is not one gradian reads; use JSONL, JSON, parquet, arrow or CSV (optionally .gz)"
-                )
-            return _load_file(path, builder, key)
+            return _load_file(path, builder_of(path), key)
         if path.is_dir():
             if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
                 return _split_of(datasets.load_from_disk(str(path)), str(source), text, split, key)
             return _load(lambda: datasets.load_dataset(str(path), split=split or "train"), source, key)
-        if builder_of(path) is not None or os.sep in text or text.startswith("."):
-            raise DataError(f"data file {text!r} does not exist; check {key}")
         return _load(lambda: datasets.load_dataset(text, split=split or "train"), source, key)
+
+
+def check_source_path(source: Any, key: str = "data.train") -> None:
+    """The checks of `load_source` that need only the disk (no `datasets`, no torch: the CLI makes
+    them first): a file of a type gradian reads, or a path that is there. A hub name, and anything
+    that is not a str or Path, passes."""
+    if not isinstance(source, (str, Path)):
+        return
+    text, _ = _split_path(str(source))
+    path = Path(os.path.expanduser(text))
+    if path.is_file() and builder_of(path) is None:
+        raise DataError(
+            f"setting '{key}'={str(source)!r}: the file type {''.join(path.suffixes) or '(none)'} is not one gradian reads; use JSONL, JSON, parquet, arrow or CSV (optionally .gz)"
+        )
+    if not path.exists() and (builder_of(path) is not None or os.sep in text or text.startswith(".")):
+        raise DataError(f"data file {text!r} does not exist; check {key}")
 
 
 def _load(read: Any, source: Any, key: str) -> Any:
@@ -154,6 +164,8 @@ def _load_file(path: Path, builder: str, key: str) -> Any:
         return dataset
     except Exception as err:
         if builder == "json" and not path.name.lower().endswith(COMPRESSIONS):
+            from gradian_lightning.data import read_jsonl  # torch: only on this failure
+
             read_jsonl(path)  # a bad line: raises DataError with its number and what is wrong
         raise DataError(
             f"data file {str(path)!r} could not be read as {builder} ({_first_line(err)}); check {key} and the file's format"

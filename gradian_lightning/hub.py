@@ -67,23 +67,19 @@ def check_tokenizer_files(name: str) -> None:
 def check_model_source(name: str, key: str = "model.name_or_path") -> None:
     """`ConfigError` when `name` (setting `key`) can be no model, checked on the disk alone (no torch,
     no transformers, no network): a file (a model is a folder), or a path that no folder is at and
-    that is not a Hugging Face name either (transformers would say "Repo id must be in the form ...").
-    A name that could be on the hub is left to `from_pretrained`."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
+    that no Hugging Face name looks like (transformers would say "Repo id must be in the form ...").
+    A name that could be on the hub (`gpt2`, `org/name`) is left to `from_pretrained`."""
     path = Path(os.path.expanduser(name))
     if path.is_file():
         raise ConfigError(
             f"setting '{key}'={name!r} is a file, not a model folder; a data file goes in data.train (or query.data), and {key} names the folder a model was saved to (save_pretrained) or a Hugging Face name such as {EXAMPLE_MODEL}"
         )
-    if path.exists():
-        return
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
+    # A hub name is `name` or `org/name`: anything absolute, relative to . or ~, or deeper is a path.
+    path_like = name.startswith((".", "~", "/", os.sep)) or sum(name.count(sep) for sep in {"/", os.sep}) > 1
+    if path_like and not path.exists():
         raise ConfigError(
             f"setting '{key}'={name!r}: no such folder ({path.absolute()}); give the folder a model was saved to (save_pretrained) or a Hugging Face name such as {EXAMPLE_MODEL}"
-        ) from None
+        )
 
 
 def _pretrained_args(model_cfg: DictConfig) -> Tuple[str, Dict[str, Any]]:

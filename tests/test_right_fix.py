@@ -12,6 +12,7 @@ Python API takes what its names promise, and a run prints Gradian's lines and no
 | (10) the README shows how to build one                   | test_the_readme_builds_a_jsonl_dataset_and_its_loader       |
 | (11) Lightning's device lines, LeafSpec, cli.py:111 warnings | test_a_run_prints_gradians_lines_and_nothing_else       |
 | (11) a stale .gradian-lock after every run               | test_the_lock_file_protects_a_live_writer_and_goes_with_it, test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again |
+| (12) settings and file errors before torch imports      | test_settings_and_file_errors_come_before_torch_imports; benchmarks/perf/startup.py |
 | (13) configs/smollm2.yaml, tests/smollm2.py               | test_the_example_config_names_the_hub_model_and_no_path_outside_a_clone |
 """
 
@@ -234,3 +235,38 @@ def test_a_run_prints_gradians_lines_and_nothing_else(tmp_path, saved_model):
     said = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
     assert len(said) == 1 and said[0].startswith("gradian query: warning: row texts are not shown: the training data")
     assert os.listdir(tmp_path / "ix").count(".gradian-lock") == 0  # the lock goes with its writer
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["index", "data.train=missing.jsonl"], "data file 'missing.jsonl' does not exist; check data.train"),
+        (["index", "data.train=rows.txt"], "the file type .txt is not one gradian reads"),
+        (["index", "data.train=rows.jsonl", "model.name_or_path=./nomodel"], "'./nomodel': no such folder"),
+        (["index", "data.train=rows.jsonl", "model.name_or_path=rows.jsonl"], "is a file, not a model folder"),
+        (["index", "data.train=rows.jsonl", "index.path=rows.jsonl"], "'index.path'='rows.jsonl' is a file"),
+        (["index", "data.train=rows.jsonl", "grads.projection_dim=-3"], "'grads.projection_dim'=-3 is not allowed"),
+        (["query", "query.data=missing.jsonl"], "data file 'missing.jsonl' does not exist; check query.data"),
+        (["query", "query.data=rows.jsonl", "index.path=nothere"], "'index.path'='nothere': nothing is there"),
+        (["plan", "data.train=missing.jsonl"], "data file 'missing.jsonl' does not exist; check data.train"),
+        (
+            ["validate", "data.train=rows.jsonl", "query.data=gone.jsonl"],
+            "'gone.jsonl' does not exist; check query.data",
+        ),
+    ],
+)
+def test_settings_and_file_errors_come_before_torch_imports(tmp_path, argv, expected):
+    # In a process of its own: a test process has torch imported already.
+    write_jsonl(tmp_path / "rows.jsonl", PROMPT_ROWS)
+    (tmp_path / "rows.txt").write_text("x")
+    (tmp_path / "model").mkdir()
+    args = [*argv[:1], "model.name_or_path=model", *argv[1:]]
+    script = (
+        "import sys; from gradian_lightning.cli import main; code = main(sys.argv[1:]); "
+        "heavy = [m for m in ('torch', 'lightning', 'transformers', 'datasets', 'zarr') if m in sys.modules]; "
+        "print(code, heavy)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert expected in done.stderr, done.stderr
+    assert done.stdout.strip() == "2 []", done.stdout  # the error, and none of those modules imported

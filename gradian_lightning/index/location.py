@@ -19,9 +19,10 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional, Tuple
+from typing import IO, TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-import zarr
+if TYPE_CHECKING:  # zarr is imported where a store is opened: checking a path needs none of its 0.5 s
+    import zarr
 
 try:
     import fcntl
@@ -67,6 +68,8 @@ def one_zarr_thread() -> None:
     100 bytes a row (1.31x from 10^4 to 10^6 rows; benchmarks/RESULTS.md §9). The writer flushes
     one chunk at a time, so the other threads bought no speed there.
     """
+    import zarr
+
     if zarr.config.get("threading.max_workers", None) is None:
         zarr.config.set({"threading.max_workers": 1})
 
@@ -106,6 +109,8 @@ class Location:
 
     def open_group(self, mode: str = "r") -> zarr.Group:
         """The zarr group here; `mode` as zarr's: "r" read, "r+" update, "w" create (replacing)."""
+        import zarr
+
         if mode != "r":
             one_zarr_thread()
         return zarr.open_group(self.store(read_only=mode == "r"), mode=mode)
