@@ -99,9 +99,10 @@ DATA_KEYS = {
 def check_before_torch(cfg: Any, command: str) -> None:
     """The checks that need only the settings and the disk, made before torch, Lightning and
     transformers import (seconds of start-up): the model (a folder that is not there, a file), the
-    data paths `command` reads, and `index.path` (a file where its folder should be, a URL without
-    its filesystem; for query and report, a local path with nothing there). A setting that is unset is left to
-    the recipe's `require`; what needs a model or a parsed file is checked by the recipe."""
+    data paths `command` reads, and `index.path` (a URL without its filesystem; for index, a file
+    where its folder should be; for query and report, which only read it, a local path with nothing
+    there). A setting that is unset is left to the recipe's `require`; what needs a model or a
+    parsed file is checked by the recipe."""
     from omegaconf import OmegaConf
 
     from gradian_lightning.data_sources import check_source_path
@@ -121,8 +122,9 @@ def check_before_torch(cfg: Any, command: str) -> None:
     path = given("index.path")
     if path and command in ("index", "query", "report"):
         where = Location(path)  # a URL whose filesystem is not installed fails here
-        where.check_creatable()
-        if command != "index" and where.local is not None and not where.exists():  # a bucket is asked by the reader
+        if command == "index":
+            where.check_creatable()
+        elif where.local is not None and not where.exists():  # a bucket is asked by the reader; a file is not an index
             raise ConfigError(
                 f"setting 'index.path'={path!r}: nothing is there; point index.path at the folder `gradian index` wrote (the index.path it ran with)"
             )

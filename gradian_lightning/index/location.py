@@ -207,13 +207,6 @@ class Location:
                     )
                 return
 
-    def _holds(self, handle: IO[str]) -> bool:
-        """Whether the open, locked `handle` is the lock file now at this location (not one removed since)."""
-        try:
-            return os.stat(self.local / LOCK_FILE).st_ino == os.fstat(handle.fileno()).st_ino
-        except FileNotFoundError:
-            return False
-
     def unlock(self, handle: IO[str], refused: bool) -> None:
         """Release `writer_lock`'s lock and remove its file (before the release: no other writer
         holds a lock on it then); after a refusal (`refused`), also remove the folders it made, when
@@ -227,6 +220,13 @@ class Location:
         for made in reversed(getattr(self, "_made", [])):
             with contextlib.suppress(OSError):  # a folder something else was written to stays
                 made.rmdir()
+
+    def _holds(self, handle: IO[str]) -> bool:
+        """Whether the open, locked `handle` is the lock file now at this location (not one removed since)."""
+        try:
+            return os.stat(self.local / LOCK_FILE).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
 
     def refuse_working_folder(self) -> None:
         """`ConfigError` when this is the working folder or a folder above it: never one to remove."""
