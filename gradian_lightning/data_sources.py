@@ -213,10 +213,10 @@ def _arrow_type_ok(feature: Any, wanted: str) -> bool:
     return False
 
 
-def _likely(part: str, columns: List[str]) -> str:
+def _likely(part: str, columns: List[str], id_column: str) -> str:
     """The column most likely meant for `part` (prompt, completion, ...): its default name when
     present, else the first column that is not the id."""
-    return part if part in columns else next((c for c in columns if c != "id"), columns[0])
+    return part if part in columns else next((c for c in columns if c != id_column), columns[0])
 
 
 def check_columns(dataset: Any, fields: Fields, name: str) -> None:
@@ -235,7 +235,7 @@ def check_columns(dataset: Any, fields: Fields, name: str) -> None:
             column = getattr(fields, part)
             if column != getattr(default, part) and column not in columns and part != "id":
                 raise DataError(
-                    f"{name} has no column {column!r} (data.{part}_field); its columns are {sorted(columns)}: set data.{part}_field to one of them, e.g. data.{part}_field={_likely(part, sorted(columns))}"
+                    f"{name} has no column {column!r} (data.{part}_field); its columns are {sorted(columns)}: set data.{part}_field to one of them, e.g. data.{part}_field={_likely(part, sorted(columns), fields.id)}"
                 )
         raise DataError(
             f"{name} has columns {sorted(columns)}; expected prompt+completion, messages, or text: map yours with data.prompt_field, data.completion_field, data.messages_field or data.text_field"
