@@ -7,6 +7,7 @@ Python API takes what its names promise, and a run prints Gradian's lines and no
 | (9) data.prompt_field naming a column the file lacks     | test_a_mapped_field_the_file_lacks_is_named_with_the_columns |
 | (9) a JSONL file given as model.name_or_path             | test_a_data_file_given_as_the_model_says_it_is_data         |
 | (9) a user folder without an index at index.path         | test_a_user_folder_at_index_path_suggests_a_path_that_works |
+| (9) the same, for a checkpointed index (model.checkpoints) | test_a_user_folder_at_a_checkpointed_index_path_suggests_a_path_that_works |
 | (9) a DatasetDict split that is not there                | test_a_wrong_split_suggests_a_split_that_loads              |
 | (10) JsonlDataset("small.jsonl", tokenizer, 64)          | test_jsonl_dataset_takes_a_path_as_its_name_says            |
 | (10) the README shows how to build one                   | test_the_readme_builds_a_jsonl_dataset_and_its_loader       |
@@ -107,6 +108,22 @@ def test_a_user_folder_at_index_path_suggests_a_path_that_works(tmp_path, saved_
     assert "index.overwrite=true" not in line  # refused for this very folder (remove_index)
     suggested = line.rsplit("index.path=", 1)[1].split()[0].rstrip(";,.")
     assert main(["index", *settings, f"index.path={suggested}"]) == 0  # the fix it names works
+    assert (tmp_path / "userdir" / "notes.txt").read_text() == "mine"
+
+
+def test_a_user_folder_at_a_checkpointed_index_path_suggests_a_path_that_works(tmp_path):
+    from gradian_lightning.errors import ConfigError
+    from gradian_lightning.index.checkpoints import register_checkpoint
+
+    (tmp_path / "userdir").mkdir()
+    (tmp_path / "userdir" / "notes.txt").write_text("mine")
+    meta = {"fingerprint": "f", "num_rows": 4, "width": 8, "spec": {}}
+    with pytest.raises(ConfigError) as refused:
+        register_checkpoint(tmp_path / "userdir", 0, None, meta, complete=False)
+    line = str(refused.value)
+    assert "notes.txt" in line and "index.overwrite=true" not in line, line
+    suggested = line.rsplit("index.path=", 1)[1].split()[0]
+    assert register_checkpoint(suggested, 0, None, meta, complete=False)  # the fix it names works
     assert (tmp_path / "userdir" / "notes.txt").read_text() == "mine"
 
 

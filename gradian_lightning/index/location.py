@@ -237,6 +237,13 @@ class Location:
                     f"index.overwrite=true would remove {self.text!r}, the working folder or a folder above it; point index.path at a folder of its own, such as runs/index"
                 )
 
+    def not_an_index(self) -> ConfigError:
+        """The refusal of a folder here that holds something other than a Gradian index, to raise.
+        It suggests a folder of the index's own: index.overwrite=true would be refused here too (`remove_index`)."""
+        return ConfigError(
+            f"index.path {self.text!r} holds files that are not a Gradian index ({', '.join(self.entries()[:3])}); give the index a folder of its own, e.g. index.path={self.text.rstrip('/')}/gradian_index"
+        )
+
     def remove_index(self, holds_index: bool) -> None:
         """Remove the Gradian index stored here (`index.overwrite=true`), after checking that nothing else goes with it.
 

@@ -169,12 +169,8 @@ class IndexWriter:
                 }  # the first write: a read-only store fails here, not after the first chunk
                 return group
             if not (same_job or overwrite):
-                if (
-                    old is None
-                ):  # index.overwrite=true would refuse it too (Location.remove_index): only a new folder works
-                    raise ConfigError(
-                        f"index.path {str(self.path)!r} holds files that are not a Gradian index ({', '.join(self.path.entries()[:3])}); give the index a folder of its own, e.g. index.path={str(self.path).rstrip('/')}/gradian_index"
-                    )
+                if old is None:
+                    raise self.path.not_an_index()
                 raise ConfigError(
                     f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.meta))}); "
                     "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
