@@ -231,7 +231,7 @@ def smollm2(layers: Optional[int] = None):
 
     if not (SMOLLM2 / "model.safetensors").is_file():
         raise SystemExit(
-            f"SmolLM2 not found at {SMOLLM2}; build it with ../shared/models/make-smollm2.sh or set GRADIAN_SMOLLM2"
+            f"SmolLM2 not found at {SMOLLM2}; save HuggingFaceTB/SmolLM2-135M-Instruct (model and tokenizer, save_pretrained) there, or set GRADIAN_SMOLLM2 to a folder holding it"
         )
     kwargs = {} if layers is None else {"num_hidden_layers": layers}
     import torch

@@ -222,9 +222,7 @@ class IndexWriter:
                 return group
             if not (same_job or overwrite):
                 if old is None:
-                    raise ConfigError(
-                        f"index.path {str(self.path)!r} holds something that is not a Gradian index; choose another index.path or pass index.overwrite=true to replace it"
-                    )
+                    raise self.path.not_an_index()
                 raise ConfigError(
                     f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.attrs))}); "
                     "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
