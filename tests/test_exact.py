@@ -8,9 +8,9 @@ import torch
 from conftest import ROWS
 from test_factors import KEYS, SPEC, batches, per_example_gradients, tiny
 
-from gradian_lightning import JsonlDataset, collate
+from gradian_lightning import GradianError, IndexSpec, JsonlDataset, collate
 from gradian_lightning.gradients.capture import select_modules
-from gradian_lightning.gradients.factors import fit_factors
+from gradian_lightning.gradients.factors import FactorFit, fit_factors
 from gradian_lightning.query.exact import ExactPass
 
 QUERIES = [
@@ -95,3 +95,18 @@ def test_exact_pass_leaves_grad_modes_and_rng_alone(tokenizer):
     ExactPass(model, SPEC, query_batch(tokenizer), cosine=True, dtype=torch.float64).score(batches(tokenizer)[0])
     assert [m.training for m in model.modules()] == modes and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in model.parameters())
+
+
+def test_arguments_without_a_meaning_are_refused(tokenizer):
+    model = tiny(tokenizer)
+    factors = fit_factors(model, SPEC, batches(tokenizer)[:1], ekfac=False, dtype=torch.float64)
+    with pytest.raises(GradianError, match="cannot take factors; pass factors=None"):
+        ExactPass(model, SPEC, query_batch(tokenizer), factors, cosine=True)
+    with pytest.raises(GradianError, match=r"ExactPass\(order='rows'\) is not a contraction order"):
+        ExactPass(model, SPEC, query_batch(tokenizer), order="rows")
+    fit = FactorFit(model, SPEC, dtype=torch.float64)
+    other = FactorFit(model, IndexSpec(module_filter=["down_proj"], projection_dim=None), dtype=torch.float64)
+    with pytest.raises(GradianError, match="cannot be added"):
+        fit.covariances(batches(tokenizer)[0]) + other.covariances(batches(tokenizer)[0])
+    with pytest.raises(GradianError, match="no batch to fit factors on"):
+        fit_factors(model, SPEC, [])

@@ -31,6 +31,7 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import nn
 
+from gradian_lightning.errors import GradianError
 from gradian_lightning.gradients.factors import Factors, TokenPass, example_chunks
 from gradian_lightning.specs import IndexSpec
 
@@ -114,9 +115,13 @@ class ExactPass:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
+            raise GradianError(
+                f"ExactPass(order={order!r}) is not a contraction order; use order='tokens' or order='examples'"
+            )
         if cosine and factors is not None:
-            raise ValueError("cosine is the unpreconditioned whole-row cosine: pass factors=None")
+            raise GradianError(
+                "ExactPass(cosine=True) is the unpreconditioned whole-row cosine and cannot take factors; pass factors=None or cosine=False"
+            )
         self.tokens = TokenPass(model, spec, modules, dtype)
         self.cosine, self.order = cosine, order
         grads = query_gradients_full(self.tokens, queries)
