@@ -14,6 +14,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       topk.py                  streaming_topk, score_all (every row, dense), Ranking, open_index -> Index
       dask_engine.py           dask_topk: the same scoring as Dask reductions on a cluster (query.engine=dask)
       precondition.py          none / diag / fisher from the index's row statistics
+      exact.py                 ExactPass: queries' full gradients (K-FAC / EK-FAC preconditioned) scored against every training row per token, no row stored
       token_scores.py          each supervised token's term of a row's score
     index/                     writing and reading the zarr store: knows nothing of scoring or Lightning
       session.py               IndexSession: bind a model, begin -> add batches -> finish (or abort): one index
@@ -30,6 +31,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       projection.py            KroneckerProjector
       recompute.py             MLP blocks (default) or decoder layers re-run in the indexing backward instead of keeping their activations
       batch.py                 GradientRows: (model, batch) -> rows, the one place rows are made
+      factors.py               TokenPass (each module's inputs and output-gradients, GradientRows' safety); full-space K-FAC / EK-FAC factors, fitted in sums that add across ranks
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,

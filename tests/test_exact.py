@@ -110,3 +110,21 @@ def test_arguments_without_a_meaning_are_refused(tokenizer):
         fit.covariances(batches(tokenizer)[0]) + other.covariances(batches(tokenizer)[0])
     with pytest.raises(GradianError, match="no batch to fit factors on"):
         fit_factors(model, SPEC, [])
+
+
+def test_a_head_run_on_the_supervised_positions_only_is_scored_exactly(tokenizer):
+    """Under `logits_to_keep` the output head sees [n, in] gathered positions, not [B, T, in]."""
+    model = tiny(tokenizer)
+    spec = IndexSpec(module_filter=["lm_head", "layers.1.mlp.down_proj"], projection_dim=None)
+    modules = select_modules(model, spec.module_filter)
+    factors = fit_factors(model, spec, batches(tokenizer), ekfac=True, dtype=torch.float64)
+    queries = per_example_gradients(model, query_batch(tokenizer), modules)
+    train = [per_example_gradients(model, b, modules) for b in batches(tokenizer)]
+    expected = 0
+    for name in modules:
+        h, mean = dense_curvature(factors, name, ekfac=True)
+        solved = torch.linalg.solve(h + 0.1 * mean * torch.eye(h.shape[0], dtype=h.dtype), queries[name].flatten(1).T)
+        expected = expected + solved.T @ torch.cat([t[name] for t in train]).flatten(1).T
+    exact = ExactPass(model, spec, query_batch(tokenizer), factors, damping=0.1, dtype=torch.float64)
+    scores = exact.score_all(batches(tokenizer), len(ROWS))
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
