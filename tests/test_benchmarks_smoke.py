@@ -25,6 +25,7 @@ SCRIPTS = {  # module -> a row its smoke table must hold
     "perf.index_size": "| all Linear |",
     "perf.dask_engine": "| dask (dask_topk) |",
     "perf.data_memory": "| 2,000 |",
+    "perf.exact_pass": "| capture (GradientRows, k = 32) |",
     "perf.peer_bergson": "| gradian |",
     "perf.peer_kronfluence": "| exact |",
     "studies.fidelity": "| 16 | float16 |",

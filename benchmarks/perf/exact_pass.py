@@ -12,6 +12,7 @@ Each timed step runs `--repeats` times, interleaved, and the median is kept (the
 
     PYTHONPATH=. python -m benchmarks.perf.exact_pass --model smollm2 --rows 16 --queries 8
     PYTHONPATH=. python -m benchmarks.perf.exact_pass --model tiny --rows 64 --queries 8
+    PYTHONPATH=. python -m benchmarks.perf.exact_pass --smoke --out /tmp/x
 """
 
 from __future__ import annotations
@@ -81,10 +82,13 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 4 short rows, 2 queries: seconds")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--order", default="tokens", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="directory of the JSON result (default benchmarks/results)")
     args = parser.parse_args()
+    if args.smoke:
+        args.model, args.rows, args.batch_size, args.seq_len, args.queries, args.repeats = "tiny", 4, 2, 16, 2, 1
     if args.child:
         return memory_child(args)
 
@@ -160,7 +164,7 @@ def main() -> None:
         + "."
     )
     write_result(
-        f"exact_pass.{args.model}",
+        "exact_pass" if args.smoke else f"exact_pass.{args.model}",
         text,
         [{"title": "", "header": ["step", "seconds", "÷ capture"], "rows": table_rows}],
         out=args.out,
