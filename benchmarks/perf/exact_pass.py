@@ -108,12 +108,15 @@ def main() -> None:
     state: Dict[str, Any] = {}
 
     def fit_covariances() -> None:
-        parts = [fit.covariances(b) for b in batches]
-        state["cov"] = sum(parts[1:], parts[0])
+        state["cov"] = fit.covariances(batches[0])
+        for batch in batches[1:]:  # summed as they come: one batch's sums alive beside the total
+            state["cov"] = state["cov"] + fit.covariances(batch)
 
     def fit_lambdas() -> None:
-        parts = [fit.lambdas(b, state["bases"]) for b in batches]
-        state["factors"] = Factors(state["bases"], sum(parts[1:], parts[0]))
+        total = fit.lambdas(batches[0], state["bases"])
+        for batch in batches[1:]:
+            total = total + fit.lambdas(batch, state["bases"])
+        state["factors"] = Factors(state["bases"], total)
 
     def prepare() -> None:
         state["exact"] = ExactPass(model, spec, queries, state["factors"], damping=0.1)
