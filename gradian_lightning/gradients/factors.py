@@ -80,7 +80,8 @@ class TokenPass:
 
     `run(batch, step)` calls `step(name, x, δ)` once per module as the backward reaches it, with
     x [B, T, in] and δ [B, T, out] zeroed outside `carrying_positions`; each module's input is
-    held from the forward until then (in the model's dtype), as a training backward holds it.
+    held from the forward until then (in the model's dtype), as a training backward holds it, and
+    let go after.
     """
 
     def __init__(
@@ -123,7 +124,8 @@ class TokenPass:
                 )
 
             def on_grad(name: str, grad: torch.Tensor) -> torch.Tensor:
-                step(name, dense(capture.inputs[name], name), dense(grad, name))
+                # The input is let go as soon as its module's backward has used it, not at the end.
+                step(name, dense(capture.inputs.pop(name), name), dense(grad, name))
                 return grad.new_zeros(0)  # nothing for the capture to keep
 
             capture = LinearCapture(self.modules, lambda name, x: x, on_grad)
