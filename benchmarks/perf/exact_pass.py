@@ -8,7 +8,9 @@ One process, on the same synthetic rows (`common.synthetic_examples`, half of ea
     over every batch (EK-FAC); the factors' bytes in float32;
   - exact: `ExactPass` for Q queries (their gradients and the EK-FAC preconditioning), then
     `score_all` over every batch, in each contraction order; a query's directions' bytes.
-Each timed step runs `--repeats` times, interleaved, and the median is kept (the machine is shared).
+Each timed step runs `--repeats` times, interleaved, and the median is kept; ratios are of CPU
+seconds (one torch thread), which the other jobs on the shared machine do not inflate as they do
+wall seconds.
 
     PYTHONPATH=. python -m benchmarks.perf.exact_pass --model smollm2 --rows 16 --queries 8
     PYTHONPATH=. python -m benchmarks.perf.exact_pass --model tiny --rows 64 --queries 8
@@ -27,10 +29,12 @@ from benchmarks.common import emit, fmt_bytes, load_model, peak_rss_rise, run_ch
 FILTERS = {"mlp": ["gate_proj", "up_proj", "down_proj"], "down_proj": ["down_proj"]}
 
 
-def timed(run: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+def timed(run: Callable[[], Any]) -> tuple:
+    """(wall seconds, CPU seconds of this process) of `run()`. On the shared box the CPU seconds
+    are the work itself (one torch thread), the wall seconds also the wait for a core."""
+    wall, cpu = time.perf_counter(), time.process_time()
     run()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def child_args(args: argparse.Namespace) -> List[str]:
@@ -134,7 +138,7 @@ def main() -> None:
             state["exact"].__setattr__("order", "examples") or state["exact"].score_all(batches, args.rows)
         ),
     }
-    times: Dict[str, List[float]] = {name: [] for name in steps}
+    times: Dict[str, List[tuple]] = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, run in steps.items():
             times[name].append(timed(run))
@@ -149,10 +153,11 @@ def main() -> None:
         for order in ("tokens", "examples")
         for q in (1, args.queries)
     }
-    capture = statistics.median(times["capture (GradientRows, k = 32)"])
-    table_rows = [
-        [name, f"{statistics.median(t):.2f}", f"{statistics.median(t) / capture:.2f}"] for name, t in times.items()
-    ]
+    capture = statistics.median(c for _, c in times["capture (GradientRows, k = 32)"])
+    table_rows = []
+    for name, t in times.items():
+        wall, cpu = statistics.median(w for w, _ in t), statistics.median(c for _, c in t)
+        table_rows.append([name, f"{wall:.2f}", f"{cpu:.2f}", f"{cpu / capture:.2f}"])
     factors, exact = state["factors"], state["exact"]
     params = sum(m.weight.numel() for m in rows.modules.values())
     text = (
@@ -169,7 +174,7 @@ def main() -> None:
     write_result(
         "exact_pass" if args.smoke else f"exact_pass.{args.model}",
         text,
-        [{"title": "", "header": ["step", "seconds", "÷ capture"], "rows": table_rows}],
+        [{"title": "", "header": ["step", "wall s", "CPU s", "CPU ÷ capture"], "rows": table_rows}],
         out=args.out,
         times=times,
         factor_bytes=factors.nbytes(),
