@@ -127,6 +127,16 @@ def test_halves_merged_equal_the_whole(tokenizer):
     for key, value in fit.lambdas(whole, bases).tensors.items():
         torch.testing.assert_close(lambdas.tensors[key], value, rtol=1e-9, atol=1e-14)
     assert Factors(bases, lambdas).kind == "ekfac" and Factors(bases).kind == "kfac"
+    # What an index would store, read back: the same preconditioning.
+    factors = Factors(bases, lambdas)
+    again = Factors.from_state({k: v.clone() for k, v in factors.state().items()}, factors.kind)
+    g = torch.randn(2, *factors.eigenvalues["model.layers.0.mlp.down_proj"].shape, dtype=torch.float64)
+    for damping in (0.1, 0.0):
+        torch.testing.assert_close(
+            again.precondition("model.layers.0.mlp.down_proj", g, damping),
+            factors.precondition("model.layers.0.mlp.down_proj", g, damping),
+        )
+    assert again.kind == "ekfac" and again.nbytes() == factors.nbytes()
 
 
 def test_fit_leaves_grad_modes_and_rng_alone(tokenizer):

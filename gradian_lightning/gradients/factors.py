@@ -209,6 +209,26 @@ class Factors:
                 examples = max(int(lambdas.tensors["examples"]), 1)
                 self.eigenvalues[name] = (lambdas.tensors[f"{name}/lambda"] / examples).to(lam_a)
 
+    PARTS = ("q_a", "lam_a", "q_g", "lam_g", "eigenvalues")
+
+    def state(self) -> Dict[str, torch.Tensor]:
+        """Plain tensors to store (an index's `factors/`): "{module}/{part}" for each of `PARTS`."""
+        return {
+            f"{name}/{part}": t
+            for name, base in self.bases.items()
+            for part, t in zip(self.PARTS, (*base, self.eigenvalues[name]))
+        }
+
+    @classmethod
+    def from_state(cls, state: Dict[str, torch.Tensor], kind: str) -> "Factors":
+        """The factors `state()` gave, with their `kind` ("kfac" or "ekfac") stored beside them."""
+        factors = cls.__new__(cls)
+        names = [k[: -len("/q_a")] for k in state if k.endswith("/q_a")]
+        factors.bases = {n: tuple(state[f"{n}/{p}"] for p in cls.PARTS[:4]) for n in names}
+        factors.eigenvalues = {n: state[f"{n}/eigenvalues"] for n in names}
+        factors.kind = kind
+        return factors
+
     def precondition(self, name: str, g: torch.Tensor, damping: float) -> torch.Tensor:
         """(H + λ I)⁻¹ g for gradients g [Q, out, in] of module `name`, in full space:
         Q_G ((Q_Gᵀ g Q_A) / (E + λ)) Q_Aᵀ with E the eigenvalues [out, in] and
