@@ -8,16 +8,20 @@ Per selected module (weight [out, in], gradients in that orientation; gradients/
                EK-FAC factors (`Factors.precondition`, λ = damping × the module's mean eigenvalue)
     score:     s[q, n] = Σ_modules ⟨M_q, G_n⟩ = Σ_modules Σ_t δ_tᵀ M_q x_t over row n's tokens
 
-Units: scores are nats² per unit curvature, as the index's; with `cosine` they are unitless, the
-inner product over ‖g_q‖ ‖G_n‖ with both norms over all modules together (whole-row cosine).
+Units: the inner product is in nats² per squared weight unit, as the index's exact rows; an
+influence score g_qᵀ (H + λ I)⁻¹ g_n has H in those units too (a second moment of gradients, per
+example), so it is a pure number; `cosine` is the inner product over ‖g_q‖ ‖G_n‖, both norms over
+all modules together (whole-row cosine), also a pure number.
 ‖G_n‖² = Σ_modules Σ_t Σ_s (δ_t·δ_s)(x_t·x_s) is computed in the same factored form.
 
 Two contraction orders give the same scores (`order`):
-  - "tokens": Σ_t δ_tᵀ M_q x_t, a [Q, c, T, min(in, out)] temporary; no per-example weight
-    gradient is ever made; 2·Q·B·T·in·out multiply-adds a batch and module.
-  - "examples": G_n made a few rows at a time ([c, out, in]) and scored as one matmul;
-    2·B·T·in·out + 2·Q·B·in·out. Fewer operations whenever Q·T > Q + T (two queries and more);
-    G_n is transient (one module's, a chunk of rows at a time), never stored.
+  - "examples" (the default): G_n made a few rows at a time ([c, out, in], one module's, within
+    `CHUNK_ELEMENTS`) and scored as one matmul; 2·B·T·in·out + 2·Q·B·in·out multiply-adds a batch
+    and module. G_n is transient, never stored or kept past its module's backward.
+  - "tokens": Σ_t δ_tᵀ M_q x_t through a [Q, c, T, min(in, out)] temporary; no per-example weight
+    gradient is made at all, for 2·Q·B·T·in·out: more whenever Q·T > Q + T (two queries and up),
+    about Q times more at T ≫ Q. Measured (benchmarks/RESULTS.md §11): 1.9× the CPU time of
+    "examples" on the tiny model at Q = 8; hence the default.
 Both keep temporaries within gradients/factors.py's `CHUNK_ELEMENTS` whatever Q and B.
 
 Memory per query: its direction M_q, one [out, in] matrix per module in `dtype`, the size of the
@@ -35,7 +39,7 @@ from gradian_lightning.errors import GradianError
 from gradian_lightning.gradients.factors import Factors, TokenPass, example_chunks
 from gradian_lightning.specs import IndexSpec
 
-ORDERS = ("tokens", "examples")
+ORDERS = ("examples", "tokens")
 
 
 def query_gradients_full(tokens: TokenPass, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -94,7 +98,7 @@ class ExactPass:
         damping: λ as a fraction of each module's mean eigenvalue (0.1: the issue's best, flat
             from 0.001 to 0.1); ignored without factors.
         cosine: whole-row cosine (only without factors): inner product / (‖g_q‖ ‖G_n‖).
-        order: "tokens" or "examples", the contraction (module docstring); the same scores.
+        order: "examples" or "tokens", the contraction (module docstring); the same scores.
         dtype: the arithmetic's (float32; float64 in tests).
 
     `score(batch)` gives [Q, B] for one training batch; `score_all(batches, rows)` [Q, rows],
@@ -110,13 +114,13 @@ class ExactPass:
         factors: Optional[Factors] = None,
         damping: float = 0.1,
         cosine: bool = False,
-        order: str = "tokens",
+        order: str = "examples",
         modules: Optional[Dict[str, nn.Module]] = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if order not in ORDERS:
             raise GradianError(
-                f"ExactPass(order={order!r}) is not a contraction order; use order='tokens' or order='examples'"
+                f"ExactPass(order={order!r}) is not a contraction order; use order='examples' or order='tokens'"
             )
         if cosine and factors is not None:
             raise GradianError(
