@@ -152,3 +152,18 @@ def test_fit_leaves_grad_modes_and_rng_alone(tokenizer):
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
     assert factors.nbytes() > 0
+
+
+def test_a_fit_inside_lightnings_inference_mode_gives_the_same_sums(tokenizer):
+    """The callback fits inside Lightning's validation loop, under `torch.inference_mode`."""
+    model = tiny(tokenizer)
+    fit = FactorFit(model, SPEC, dtype=torch.float64)
+    first, second = batches(tokenizer)[:2]
+    with torch.inference_mode():
+        inside = fit.covariances(first) + fit.covariances(second)
+        bases = Eigenbases.from_sums(inside, torch.float64)
+        lambdas = fit.lambdas(first, bases)
+    outside = fit.covariances(first) + fit.covariances(second)
+    assert all(torch.equal(inside.tensors[k], v) for k, v in outside.tensors.items())
+    merged = lambdas + fit.lambdas(second, bases)  # an inference-mode sum adds to an ordinary one
+    assert torch.equal(merged.tensors["examples"], inside.tensors["examples"])
