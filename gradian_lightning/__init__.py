@@ -16,6 +16,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       precondition.py          Diagonal, Fisher, EKFAC (one class each) from the index's row statistics; auto's rule
       scorer.py                Scorer: one checkpoint's scoring, "auto" resolved once; prepare, score, describe
       topk.py                  streaming_topk, score_all (every row, dense) over scorers, Ranking, open_index -> Index
+      exact.py                 ExactPass: queries' full gradients (K-FAC / EK-FAC preconditioned) scored against every training row, no row stored
       dask_engine.py           dask_topk: a Scorer's scores as Dask reductions on a cluster (query.engine=dask)
       token_scores.py          each supervised token's term of a row's score (Scorer.token_terms)
     index/                     writing and reading the zarr store: knows nothing of scoring or Lightning
@@ -33,6 +34,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       projection.py            KroneckerProjector
       recompute.py             MLP blocks (default) or decoder layers re-run in the indexing backward instead of keeping their activations
       batch.py                 GradientRows: (model, batch) -> rows, the one place rows are made
+      factors.py               TokenPass (each module's inputs and output-gradients, GradientRows' safety); full-space K-FAC / EK-FAC factors, fitted in sums that add across ranks
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,

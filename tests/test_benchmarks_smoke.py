@@ -26,6 +26,7 @@ SCRIPTS = {  # module -> a row its smoke table must hold
     "perf.dask_engine": "| dask (dask_topk) |",
     "perf.data_memory": "| 2,000 |",
     "perf.startup": "| missing data file |",
+    "perf.exact_pass": "| capture (GradientRows, k = 32) |",
     "perf.peer_bergson": "| gradian |",
     "perf.peer_kronfluence": "| exact |",
     "studies.fidelity": "| 16 | float16 |",
