@@ -184,7 +184,9 @@ def make_query_rows(
         model, tokenizer = load_saved_model(cfg.model, name)
         if keep_models:
             kept[step] = (model, tokenizer)
-        model.to(fabric.device)
+        # Cast as the Trainer cast the indexed model (bf16-true: bf16 weights), then placed; the
+        # wrapper setup_module returns is not used: the rows come from the module itself.
+        fabric.setup_module(model)
         rows[step] = query_gradients(
             reader,
             model,
