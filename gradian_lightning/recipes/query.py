@@ -110,15 +110,13 @@ class QueryRows:
     """The query rows of `gradian query`, made once per scored checkpoint with its saved model.
 
     rows: {checkpoint step: [Q, D] float32 on `device`}; readers: {step: the index read at that
-    checkpoint}; models: {step: (model, tokenizer)}, kept only when asked (for token terms);
-    weights: {step: its weight in the sum (index/checkpoints.py)}, 1.0 for a lone checkpoint.
-    `scorers(spec)` scores them.
+    checkpoint}; models: {step: (model, tokenizer)}, kept only when asked (for token terms).
+    `scorers(spec)` scores them, each checkpoint with its weight in the sum.
     """
 
     rows: Dict[int, torch.Tensor]
     readers: Dict[int, IndexReader]
     models: Dict[int, tuple]
-    weights: Dict[int, float]
     device: torch.device
     index: IndexReader
 
@@ -199,9 +197,7 @@ def make_query_rows(
             settings=spec,
             given=given,
         )
-    chosen = checkpoint_weights(index.checkpoints, which)
-    weights = {int(e["step"]): w for e, w in chosen} if len(rows) > 1 else {step: 1.0 for step in rows}
-    return QueryRows(rows, readers, kept, weights, fabric.device, index.reader)
+    return QueryRows(rows, readers, kept, fabric.device, index.reader)
 
 
 def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
