@@ -1,0 +1,220 @@
+"""HFGradientIndexer inside real Hugging Face Trainer runs: the rows are IndexSession's, bit for bit, and training is unperturbed."""
+
+import copy
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_model
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from gradian_lightning import HFGradientIndexer, IndexSession, IndexSpec, open_index
+from gradian_lightning.data import JsonlDataset, collate
+from gradian_lightning.errors import ConfigError
+from gradian_lightning.hf_callback import batch_starts, check_sharding, trainer_collate
+
+SETTINGS = {"module_filter": ["down_proj", "q_proj"], "projection_dim": 4, "storage_dtype": "float32", "seed": 3}
+
+
+@pytest.fixture
+def dataset(tokenizer, rows):
+    return JsonlDataset(rows, tokenizer, 64)
+
+
+class Snapshots(TrainerCallback):
+    """At each evaluation and save: the weights, the optimizer's learning rate, and what training
+    must find untouched (`.grad`, train/eval mode, the global RNG), keyed by global step."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def _note(self, args, state, control, model=None, optimizer=None, **kwargs):
+        logged = [
+            log["learning_rate"]
+            for log in state.log_history
+            if log.get("step") == state.global_step and "learning_rate" in log
+        ]
+        self.seen[state.global_step] = {
+            "weights": copy.deepcopy(model.state_dict()),
+            "lr": logged[0] if logged else None,  # the Trainer's own record of the step's learning rate
+            "grads": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
+            "training": [m.training for m in model.modules()],
+            "rng": torch.get_rng_state(),
+        }
+
+    on_evaluate = on_save = _note
+
+
+def train(tmp_path, tokenizer, dataset, callbacks, dropout=0.0, **arguments):
+    """A 4-step CPU fine-tune of the tiny Llama (batch 2, AdamW, linear decay), evaluated every 2 steps."""
+    model = make_model(len(tokenizer)).train()
+    model.config.attention_dropout = dropout  # training consumes RNG: a perturbed stream would show
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = dropout
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        max_steps=4,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="no",
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        seed=7,
+    )
+    args = TrainingArguments(**{**defaults, **arguments})
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        data_collator=trainer_collate,
+        callbacks=list(callbacks),
+    )
+    trainer.train()
+    return trainer
+
+
+def session_rows(tmp_path, tokenizer, dataset, weights, batch_size, step=0, lr=None):
+    """The index IndexSession writes from the same batches (the dataset in order) at `weights`."""
+    model = make_model(len(tokenizer))
+    model.load_state_dict(weights)
+    session = IndexSession(IndexSpec(**SETTINGS), tmp_path / f"session-{step}")
+    session.bind(model)
+    session.begin(len(dataset), step, lr)
+    for start in range(0, len(dataset), batch_size):
+        session.add(collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]))
+    session.finish()
+    return open_index(tmp_path / f"session-{step}")
+
+
+def assert_same_rows(index, reference):
+    assert torch.equal(index.rows(slice(None)), reference.rows(slice(None)))
+    for column in ("loss", "supervised_tokens", "id"):
+        np.testing.assert_array_equal(index.column(column), reference.column(column))
+
+
+def test_each_evaluation_writes_the_rows_index_session_writes(tmp_path, tokenizer, dataset):
+    indexer = HFGradientIndexer(tmp_path / "ix-step{step}", dataset, batch_size=3, **SETTINGS)
+    snapshots = Snapshots()
+    trainer = train(tmp_path, tokenizer, dataset, [indexer, snapshots])
+    trainer.eval_dataset = {"a": dataset, "b": dataset}  # two evaluations at one step: indexed once
+    trainer.evaluate()
+    assert [r["step"] for r in indexer.runs] == [2, 4] and all(r["complete"] for r in indexer.runs)
+    assert sorted(snapshots.seen) == [2, 4]
+    for step in (2, 4):
+        index = open_index(tmp_path / f"ix-step{step}")
+        assert index.meta["global_step"] == step and len(index) == len(dataset)
+        assert_same_rows(index, session_rows(tmp_path, tokenizer, dataset, snapshots.seen[step]["weights"], 3, step))
+    # The weights moved between the two evaluations, so the rows did too.
+    assert not torch.equal(
+        open_index(tmp_path / "ix-step2").rows(slice(None)), open_index(tmp_path / "ix-step4").rows(slice(None))
+    )
+
+
+def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer, dataset):
+    indexer = HFGradientIndexer(tmp_path / "ix", dataset, at="save", batch_size=4, checkpoints=True, **SETTINGS)
+    snapshots = Snapshots()
+    train(tmp_path, tokenizer, dataset, [indexer, snapshots], save_steps=2, save_strategy="steps", save_only_model=True)
+    index = open_index(tmp_path / "ix")
+    # Saves at steps 2 and 4; the evaluations at the same steps index nothing (at="save").
+    assert [(e["step"], e["lr"]) for e in index.checkpoints] == [(s, snapshots.seen[s]["lr"]) for s in (2, 4)]
+    # Linear decay to 0 after step 4: each checkpoint weighs by the rate its last step trained at,
+    # not the next step's (0 for the last, which would drop it from the sum).
+    assert [snapshots.seen[s]["lr"] for s in (2, 4)] == [0.0075, 0.0025]
+    assert index.meta["complete"] and len(indexer.runs) == 2
+    for step in (2, 4):
+        reference = session_rows(tmp_path, tokenizer, dataset, snapshots.seen[step]["weights"], 4, step)
+        assert_same_rows(index.at(step), reference)
+
+
+@pytest.mark.parametrize("at", ["evaluate", "save"])
+def test_training_is_bit_identical_with_and_without_the_indexer(tmp_path, tokenizer, dataset, at):
+    # Saves without evaluations find the model in train mode, evaluations in eval mode: both must stay so.
+    events = {"evaluate": {}, "save": {"eval_strategy": "no", "save_strategy": "steps", "save_steps": 2}}[at]
+    runs = {}
+    for name, with_indexer in (("plain", False), ("indexed", True)):
+        watch = Snapshots()  # after the indexer: what training finds when the indexer is done
+        indexer = HFGradientIndexer(tmp_path / name / "ix-{step}", dataset, "down_proj", 4, at=at, batch_size=3)
+        callbacks = [indexer, watch] if with_indexer else [watch]
+        trainer = train(tmp_path / name, tokenizer, dataset, callbacks, dropout=0.1, save_only_model=True, **events)
+        runs[name] = {
+            "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+            "eval_losses": [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log],
+            "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+            "rng": torch.get_rng_state(),
+            "seen": watch.seen,
+        }
+    plain, indexed = runs["plain"], runs["indexed"]
+    assert len(plain["losses"]) == 4 and plain["losses"] == indexed["losses"]
+    assert plain["eval_losses"] == indexed["eval_losses"] and len(plain["eval_losses"]) == (
+        2 if at == "evaluate" else 0
+    )
+    assert all(torch.equal(plain["weights"][k], indexed["weights"][k]) for k in plain["weights"])
+    for key, state in plain["optimizer"]["state"].items():
+        assert all(torch.equal(state[n], indexed["optimizer"]["state"][key][n]) for n in state), key
+    assert torch.equal(plain["rng"], indexed["rng"])
+    assert sorted(plain["seen"]) == sorted(indexed["seen"]) == [2, 4]
+    for step, before in plain["seen"].items():
+        after = indexed["seen"][step]
+        assert before["training"] == after["training"] and all(before["training"]) == (at == "save")
+        assert torch.equal(before["rng"], after["rng"])
+        for key, grad in before["grads"].items():
+            assert (grad is None and after["grads"][key] is None) or torch.equal(grad, after["grads"][key]), key
+    assert open_index(tmp_path / "indexed" / "ix-4").meta["complete"]
+
+
+def test_evaluate_alone_indexes_the_current_weights_and_every_n_skips(tmp_path, tokenizer, dataset):
+    model = make_model(len(tokenizer))
+    indexer = HFGradientIndexer(tmp_path / "ix", dataset, verbose=False, **SETTINGS)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], disable_tqdm=True)
+    Trainer(model=model, args=args, eval_dataset=dataset, data_collator=trainer_collate, callbacks=[indexer]).evaluate()
+    assert indexer.runs == [{"step": 0, "path": str(tmp_path / "ix"), "rows": 7, "complete": True}]
+    reference = session_rows(tmp_path, tokenizer, dataset, model.state_dict(), 4)
+    assert_same_rows(open_index(tmp_path / "ix"), reference)
+
+    every_other = HFGradientIndexer(tmp_path / "ix-{step}", dataset, every_n=2, verbose=False, **SETTINGS)
+    train(tmp_path / "t", tokenizer, dataset, [every_other], eval_steps=1)
+    assert [r["step"] for r in every_other.runs] == [2, 4]
+    assert sorted(p.name for p in tmp_path.glob("ix-*")) == ["ix-2", "ix-4"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"at": "predict"}, "HFGradientIndexer(at='predict') is not allowed; use 'evaluate'"),
+        ({"batch_size": 0}, "HFGradientIndexer(batch_size=0) is not allowed; use an integer >= 1"),
+        ({"every_n": 0}, "HFGradientIndexer(every_n=0) is not allowed; use an integer >= 1"),
+        ({"collate_fn": "collate"}, "HFGradientIndexer(collate_fn='collate') is not allowed"),
+        ({"verbose": "yes"}, "HFGradientIndexer(verbose='yes') is not allowed; use True or False"),
+        ({"dataset": iter([1, 2])}, "HFGradientIndexer(dataset=...) needs a map-style dataset with a length"),
+        ({"dataloader_idx": 1}, "HFGradientIndexer(dataloader_idx=...) is not allowed"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(tmp_path, dataset, kwargs, message):
+    kwargs = {"dataset": dataset, **kwargs}
+    with pytest.raises(ConfigError) as err:
+        HFGradientIndexer(tmp_path / "ix", kwargs.pop("dataset"), **kwargs)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert not (tmp_path / "ix").exists()
+
+
+def test_sharded_trainers_are_refused():
+    with pytest.raises(ConfigError, match="cannot run under the Trainer's FSDP or DeepSpeed ZeRO-3"):
+        check_sharding(types.SimpleNamespace(fsdp=["full_shard"]))
+    check_sharding(types.SimpleNamespace(fsdp=None))  # DDP or one process: fine
+
+
+@pytest.mark.parametrize("num_rows, batch_size, world", [(7, 2, 2), (7, 3, 2), (8, 2, 4), (5, 4, 3), (1, 4, 2)])
+def test_every_batch_goes_to_exactly_one_rank_in_as_many_rounds_on_each(num_rows, batch_size, world):
+    shares = [batch_starts(num_rows, batch_size, rank, world) for rank in range(world)]
+    assert len({len(share) for share in shares}) == 1  # every rank joins every gather
+    starts = sorted(s for share in shares for s in share if s is not None)
+    assert starts == list(range(0, num_rows, batch_size))
+    assert shares[0] == [s for s in range(0, num_rows, batch_size * world)]  # batch b on rank b % world
