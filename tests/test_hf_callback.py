@@ -80,17 +80,19 @@ def train(tmp_path, tokenizer, dataset, callbacks, dropout=0.0, **arguments):
     return trainer
 
 
-def session_rows(tmp_path, tokenizer, dataset, weights, batch_size, step=0, lr=None):
+def session_rows(tmp_path, tokenizer, dataset, weights, batch_size, step=0, lr=None, autocast=None, **settings):
     """The index IndexSession writes from the same batches (the dataset in order) at `weights`."""
     model = make_model(len(tokenizer))
     model.load_state_dict(weights)
-    session = IndexSession(IndexSpec(**SETTINGS), tmp_path / f"session-{step}")
+    path = tmp_path / f"session-{step}-{autocast}"
+    session = IndexSession(IndexSpec(**{**SETTINGS, **settings}), path)
     session.bind(model)
     session.begin(len(dataset), step, lr)
     for start in range(0, len(dataset), batch_size):
-        session.add(collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]))
+        batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+        session.add(batch, torch.autocast("cpu", dtype=autocast) if autocast else None)
     session.finish()
-    return open_index(tmp_path / f"session-{step}")
+    return open_index(path)
 
 
 def assert_same_rows(index, reference):
@@ -183,6 +185,21 @@ def test_evaluate_alone_indexes_the_current_weights_and_every_n_skips(tmp_path, 
     train(tmp_path / "t", tokenizer, dataset, [every_other], eval_steps=1)
     assert [r["step"] for r in every_other.runs] == [2, 4]
     assert sorted(p.name for p in tmp_path.glob("ix-*")) == ["ix-2", "ix-4"]
+
+
+def test_rows_are_made_under_the_trainers_mixed_precision(tmp_path, tokenizer, dataset):
+    # accelerate wraps the model's forward in its autocast, but a chunked loss runs the decoder
+    # without that forward: only the callback's own autocast puts it in bf16 there.
+    chunked = {"loss_chunk_tokens": 4}
+    model = make_model(len(tokenizer))
+    indexer = HFGradientIndexer(tmp_path / "ix", dataset, verbose=False, **SETTINGS, **chunked)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=True, report_to=[], disable_tqdm=True)
+    Trainer(model=model, args=args, eval_dataset=dataset, data_collator=trainer_collate, callbacks=[indexer]).evaluate()
+    rows = open_index(tmp_path / "ix").rows(slice(None))
+    bf16 = session_rows(tmp_path, tokenizer, dataset, model.state_dict(), 4, autocast=torch.bfloat16, **chunked)
+    assert torch.equal(rows, bf16.rows(slice(None)))
+    fp32 = session_rows(tmp_path, tokenizer, dataset, model.state_dict(), 4, **chunked).rows(slice(None))
+    assert not torch.equal(rows, fp32) and torch.allclose(rows, fp32, rtol=0.1, atol=0.1 * fp32.abs().max())
 
 
 @pytest.mark.parametrize(
