@@ -235,3 +235,76 @@ def test_every_batch_goes_to_exactly_one_rank_in_as_many_rounds_on_each(num_rows
     starts = sorted(s for share in shares for s in share if s is not None)
     assert starts == list(range(0, num_rows, batch_size))
     assert shares[0] == [s for s in range(0, num_rows, batch_size * world)]  # batch b on rank b % world
+
+
+class RecordingIndexer(HFGradientIndexer):
+    """Also notes which dataset positions each rank computed, to prove the work was shared."""
+
+    def __init__(self, *args, notes, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.notes = notes
+
+    def _compute(self, model, args, rank, world):
+        for computed in super()._compute(model, args, rank, world):
+            if computed is not None:
+                with open(self.notes / f"rank{rank}.txt", "a") as f:
+                    f.write("".join(f"{int(i)}\n" for i in computed.index))
+            yield computed
+
+
+class SaveWeights(TrainerCallback):
+    """World rank 0 saves the weights at each evaluation, for the one-process reference."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            torch.save(model.state_dict(), self.folder / f"weights-{state.global_step}.pt")
+
+
+def _ddp_rank(rank, world, port, tmp_path, tokenizer, dataset, errors):
+    """One rank of a `torchrun`-like CPU launch: the Trainer reads the environment (gloo)."""
+    try:
+        import os
+
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+        )
+        indexer = RecordingIndexer(
+            tmp_path / "ix-{step}", dataset, batch_size=2, notes=tmp_path, verbose=False, **SETTINGS
+        )
+        trainer = train(tmp_path, tokenizer, dataset, [indexer, SaveWeights(tmp_path)], ddp_backend="gloo")
+        assert trainer.args.world_size == world and trainer.args.process_index == rank
+        torch.distributed.destroy_process_group()
+    except BaseException as err:  # the parent reports it
+        (errors / f"rank{rank}.txt").write_text(repr(err))
+        raise
+
+
+@pytest.mark.slow  # two CPU ranks in child processes
+def test_two_ranks_share_the_batches_and_write_the_one_process_rows(tmp_path, tokenizer, dataset):
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_ddp_rank, args=(r, 2, port, tmp_path, tokenizer, dataset, errors)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    assert [p.exitcode for p in ranks] == [0, 0], [f.read_text() for f in errors.iterdir()]
+    # 7 rows in batches of 2: batches 0 and 2 on rank 0, 1 and 3 on rank 1, at each of the two evaluations.
+    shares = [sorted(int(i) for i in (tmp_path / f"rank{r}.txt").read_text().split()) for r in (0, 1)]
+    assert shares == [sorted([0, 1, 4, 5] * 2), sorted([2, 3, 6] * 2)]
+    # Each rank trained on half of each step's batch (DDP), so the weights are the two-rank run's own.
+    for step in (2, 4):
+        weights = torch.load(tmp_path / f"weights-{step}.pt", weights_only=True)
+        index = open_index(tmp_path / f"ix-{step}")
+        assert index.meta["complete"] and index.meta["global_step"] == step
+        assert_same_rows(index, session_rows(tmp_path, tokenizer, dataset, weights, 2, step))
