@@ -5,6 +5,8 @@ on_evaluate or on_save (the user's choice; at most once per global step)
     every rank:   session.compute on its share of the dataset's batches (batch b on rank b % world)
                   gathered a round at a time; rank 0: session.write
     rank 0:       session.finish -> summary (on an exception: session.abort, rows kept, re-raised)
+on_train_begin, resumed (at="save"): an index its save's event left unfinished is finished
+    with the restored weights, which are the ones saved at that step
 
 The callback iterates the dataset itself, in order, without a DataLoader (whose iterator draws a
 seed from the global RNG), so training sees no change: parameters, their `.grad`, optimizer
@@ -24,7 +26,9 @@ from torch import nn
 from transformers import TrainerCallback
 
 from gradian_lightning.data import collate
-from gradian_lightning.errors import ConfigError
+from gradian_lightning.errors import ConfigError, GradianError
+from gradian_lightning.index.checkpoints import checkpoint_entries
+from gradian_lightning.index.layout import read_meta
 from gradian_lightning.index.session import BatchRows, IndexSession
 from gradian_lightning.specs import IndexSpec, is_int, spec_from_arguments
 
@@ -133,7 +137,8 @@ class HFGradientIndexer(TrainerCallback):
 
     Under several processes (DDP, `torchrun`) batch b goes to rank `b % world_size`, rank 0
     (`state.is_world_process_zero`) opens and writes the index. FSDP and DeepSpeed ZeRO-3 are
-    refused. A second event at a step already indexed (one per eval dataset) does nothing.
+    refused. A second event at a step already indexed (one per eval dataset) does nothing. A
+    training resumed past a save whose index was left unfinished finishes it first (`on_train_begin`).
     """
 
     def __init__(
@@ -173,6 +178,33 @@ class HFGradientIndexer(TrainerCallback):
         return self.session.summaries[-1] if self.session.summaries else None
 
     # -- Trainer events ----------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A save's index is written after its checkpoint, so a run killed while writing it resumes
+        # past that save, which the Trainer never repeats. The weights it resumes with are the
+        # ones saved there: the index is finished now, from the rows already on disk.
+        if self.at != "save" or not state.global_step:
+            return
+        step = int(state.global_step)
+        entry = self._unfinished(step) if state.is_world_process_zero else None
+        if int(getattr(args, "world_size", 1)) > 1:
+            shared = [entry]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            entry = shared[0]
+        if entry is None:
+            return
+        check_sharding(args)
+        self._last_step = step
+        self.index(kwargs["model"], step, entry.get("lr"), args, state)
+
+    def _unfinished(self, step: int) -> Optional[Dict[str, Any]]:
+        """The checkpoint entry (step, lr, complete) of an index left unfinished at `step`, or None."""
+        try:
+            meta = read_meta(self.session.path_at(step))
+        except GradianError:  # nothing there yet
+            return None
+        found = [e for e in checkpoint_entries(meta) if int(e["step"]) == step and not e["complete"]]
+        return found[0] if found else None
+
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # After optimizer.step, before the scheduler's: the learning rate this step trained at (what
         # the Trainer logs as `learning_rate`). Read later, at the event, a decaying schedule would

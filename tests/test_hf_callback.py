@@ -46,7 +46,7 @@ class Snapshots(TrainerCallback):
     on_evaluate = on_save = _note
 
 
-def train(tmp_path, tokenizer, dataset, callbacks, dropout=0.0, **arguments):
+def train(tmp_path, tokenizer, dataset, callbacks, dropout=0.0, resume=None, **arguments):
     """A 4-step CPU fine-tune of the tiny Llama (batch 2, AdamW, linear decay), evaluated every 2 steps."""
     model = make_model(len(tokenizer)).train()
     model.config.attention_dropout = dropout  # training consumes RNG: a perturbed stream would show
@@ -76,7 +76,7 @@ def train(tmp_path, tokenizer, dataset, callbacks, dropout=0.0, **arguments):
         data_collator=trainer_collate,
         callbacks=list(callbacks),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
@@ -136,6 +136,59 @@ def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer,
 
 
 @pytest.mark.parametrize("at", ["evaluate", "save"])
+class Killed(Exception):
+    pass
+
+
+class KilledOnce(HFGradientIndexer):
+    """Dies after its first batch at `step`: a machine lost while the index of that save was written."""
+
+    def __init__(self, *args, step, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step = step
+
+    def _compute(self, model, args, rank, world):
+        for i, computed in enumerate(super()._compute(model, args, rank, world)):
+            if i == 1 and self._last_step == self.step:
+                raise Killed
+            yield computed
+
+
+def test_a_save_killed_while_indexing_is_finished_when_training_resumes_past_it(tmp_path, tokenizer, dataset):
+    saving = {"at": "save", "batch_size": 3, "checkpoints": True, **SETTINGS}
+    snapshots = Snapshots()  # first: it sees the save the indexer dies in
+    with pytest.raises(Killed):
+        train(
+            tmp_path,
+            tokenizer,
+            dataset,
+            [snapshots, KilledOnce(tmp_path / "ix", dataset, step=2, **saving)],
+            save_strategy="steps",
+            save_steps=2,
+            eval_strategy="no",
+        )
+    assert [(e["step"], e["complete"]) for e in open_index(tmp_path / "ix").checkpoints] == [(2, False)]
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()  # saved before its index: the resume starts after it
+
+    indexer = HFGradientIndexer(tmp_path / "ix", dataset, **saving)
+    resumed = train(
+        tmp_path,
+        tokenizer,
+        dataset,
+        [indexer],
+        resume=str(tmp_path / "out" / "checkpoint-2"),
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="no",
+    )
+    assert resumed.state.global_step == 4 and [r["step"] for r in indexer.runs] == [2, 4]
+    assert indexer.session.summaries[0]["computed_rows"] == 4  # the first batch's 3 rows were kept
+    index = open_index(tmp_path / "ix")
+    assert [(e["step"], e["lr"], e["complete"]) for e in index.checkpoints] == [(2, 0.0075, True), (4, 0.0025, True)]
+    reference = session_rows(tmp_path, tokenizer, dataset, snapshots.seen[2]["weights"], 3, 2)
+    assert_same_rows(index.at(2), reference)
+
+
 def test_training_is_bit_identical_with_and_without_the_indexer(tmp_path, tokenizer, dataset, at):
     # Saves without evaluations find the model in train mode, evaluations in eval mode: both must stay so.
     events = {"evaluate": {}, "save": {"eval_strategy": "no", "save_strategy": "steps", "save_steps": 2}}[at]
