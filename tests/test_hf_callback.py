@@ -119,10 +119,13 @@ def test_each_evaluation_writes_the_rows_index_session_writes(tmp_path, tokenize
     )
 
 
-def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer, dataset):
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer, dataset, gradient_checkpointing):
     indexer = HFGradientIndexer(tmp_path / "ix", dataset, at="save", batch_size=4, checkpoints=True, **SETTINGS)
     snapshots = Snapshots()
-    train(tmp_path, tokenizer, dataset, [indexer, snapshots], save_steps=2, save_strategy="steps", save_only_model=True)
+    saves = {"save_steps": 2, "save_strategy": "steps", "save_only_model": True}
+    # The Trainer's activation checkpointing (a training-mode path of the decoder layers) changes no row.
+    train(tmp_path, tokenizer, dataset, [indexer, snapshots], gradient_checkpointing=gradient_checkpointing, **saves)
     index = open_index(tmp_path / "ix")
     # Saves at steps 2 and 4; the evaluations at the same steps index nothing (at="save").
     assert [(e["step"], e["lr"]) for e in index.checkpoints] == [(s, snapshots.seen[s]["lr"]) for s in (2, 4)]
