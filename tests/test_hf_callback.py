@@ -138,7 +138,6 @@ def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer,
         assert_same_rows(index.at(step), reference)
 
 
-@pytest.mark.parametrize("at", ["evaluate", "save"])
 class Killed(Exception):
     pass
 
@@ -192,6 +191,7 @@ def test_a_save_killed_while_indexing_is_finished_when_training_resumes_past_it(
     assert_same_rows(index.at(2), reference)
 
 
+@pytest.mark.parametrize("at", ["evaluate", "save"])
 def test_training_is_bit_identical_with_and_without_the_indexer(tmp_path, tokenizer, dataset, at):
     # Saves without evaluations find the model in train mode, evaluations in eval mode: both must stay so.
     events = {"evaluate": {}, "save": {"eval_strategy": "no", "save_strategy": "steps", "save_steps": 2}}[at]
@@ -324,9 +324,14 @@ def _ddp_rank(rank, world, port, tmp_path, tokenizer, dataset, errors):
     try:
         import os
 
+        from accelerate.state import AcceleratorState, PartialState
+
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
         )
+        # The forked child inherits the parent's one-process accelerate state (set by earlier tests): start afresh.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState._reset_state()
         indexer = RecordingIndexer(
             tmp_path / "ix-{step}", dataset, batch_size=2, notes=tmp_path, verbose=False, **SETTINGS
         )
@@ -354,6 +359,10 @@ def test_two_ranks_share_the_batches_and_write_the_one_process_rows(tmp_path, to
         p.start()
     for p in ranks:
         p.join(timeout=300)
+    for p in ranks:
+        if p.is_alive():  # one rank failed and the other waits in a collective: end it, then report
+            p.kill()
+            p.join()
     assert [p.exitcode for p in ranks] == [0, 0], [f.read_text() for f in errors.iterdir()]
     # 7 rows in batches of 2: batches 0 and 2 on rank 0, 1 and 3 on rank 1, at each of the two evaluations.
     shares = [sorted(int(i) for i in (tmp_path / f"rank{r}.txt").read_text().split()) for r in (0, 1)]
