@@ -150,8 +150,15 @@ def main(argv: list | None = None) -> int:
     fitted = time.perf_counter()
 
     index = open_index(out / "index")
-    for entry in index.checkpoints:
-        print(f"indexed at step {entry['step']} (lr {entry['lr']:.3g}): {len(index)} rows -> {index.path}")
+    for entry, run in zip(index.checkpoints, indexer.runs):
+        print(
+            f"indexed at step {entry['step']} (lr {entry['lr']:.3g}): {len(index)} rows -> {index.path} in {run['seconds']:.1f} s"
+        )
+    indexing = sum(run["seconds"] for run in indexer.runs)
+    training = trainer.state.log_history[-1]["train_runtime"] - indexing  # the Trainer's clock includes the callbacks
+    print(
+        f"training {training:.1f} s (with its saves), indexing {indexing:.1f} s: {indexing / training:.0%} on top of training"
+    )
     # Queries: only the fields gradian reads (a query row may carry an answer key, as the bundled ones do).
     asked = [{k: q[k] for k in ("id", "prompt", "completion", "messages", "text") if k in q} for q in query_rows]
     # A query's rows at each checkpoint, made with the adapter the Trainer saved there on a fresh base.

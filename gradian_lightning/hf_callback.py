@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
 
@@ -168,7 +169,8 @@ class HFGradientIndexer(TrainerCallback):
         self.dataset, self.at, self.batch_size = dataset, at, batch_size
         self.collate_fn = collate_fn or collate
         self.verbose, self.every_n = verbose, every_n
-        self.runs: List[Dict[str, Any]] = []  # finished runs, oldest first: {"step", "path", "rows", "complete"}
+        # Finished runs, oldest first: {"step", "path", "rows", "complete", "seconds"} (None but step and path off rank 0).
+        self.runs: List[Dict[str, Any]] = []
         self._events, self._last_step, self._bound = 0, None, None
         self._step_lr: Optional[float] = None  # the learning rate of the latest optimizer step
 
@@ -238,6 +240,7 @@ class HFGradientIndexer(TrainerCallback):
         if self._bound is not model:
             self.session.bind(model)
             self._bound = model
+        started = time.perf_counter()
         world, rank = int(getattr(args, "world_size", 1)), int(getattr(args, "process_index", 0))
         chief = bool(state.is_world_process_zero)
         todo = self.session.begin(len(self.dataset), step, lr) if chief else None
@@ -258,13 +261,14 @@ class HFGradientIndexer(TrainerCallback):
         except BaseException:
             self.session.abort()  # rank 0 keeps the rows written so far; a rerun resumes from them
             raise
-        run = {"step": step, "path": self.session.path_at(step), "rows": None, "complete": None}
+        run = {"step": step, "path": self.session.path_at(step), "rows": None, "complete": None, "seconds": None}
         if chief:
             summary = self.session.finish()
-            run.update(step=summary["step"], rows=summary["rows"], complete=summary["complete"])
+            seconds = round(time.perf_counter() - started, 3)  # what the event added to training's wall time
+            run.update(step=summary["step"], rows=summary["rows"], complete=summary["complete"], seconds=seconds)
             if self.verbose:
                 print(
-                    f"HFGradientIndexer: step {run['step']}: {run['rows']}/{summary['num_rows']} rows in {run['path']} ({'complete' if run['complete'] else 'INCOMPLETE'})",
+                    f"HFGradientIndexer: step {run['step']}: {run['rows']}/{summary['num_rows']} rows in {run['path']} ({'complete' if run['complete'] else 'INCOMPLETE'}) in {seconds:.1f} s",
                     flush=True,
                 )
         self.runs = [r for r in self.runs if r["step"] != run["step"]] + [run]  # a re-run of a step replaces its entry

@@ -55,4 +55,4 @@ def test_hf_trainer_and_attribute_smoke(tmp_path, capsys):
     tops = re.findall(r"^(q-\S+) .*\n +1 [+-]\d\.\d{4}  (\S+)", out, flags=re.M)
     assert len(tops) == 6
     assert sum(query[2:] == top for query, top in tops) >= 4, tops  # the planted source ranks first for most
-    assert "indexed 2 checkpoints" in out
+    assert "indexed 2 checkpoints" in out and re.search(r"indexing \d+\.\d s: \d+% on top of training", out)

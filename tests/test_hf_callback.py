@@ -233,7 +233,9 @@ def test_evaluate_alone_indexes_the_current_weights_and_every_n_skips(tmp_path, 
     indexer = HFGradientIndexer(tmp_path / "ix", dataset, verbose=False, **SETTINGS)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], disable_tqdm=True)
     Trainer(model=model, args=args, eval_dataset=dataset, data_collator=trainer_collate, callbacks=[indexer]).evaluate()
-    assert indexer.runs == [{"step": 0, "path": str(tmp_path / "ix"), "rows": 7, "complete": True}]
+    (run,) = indexer.runs
+    assert run == {"step": 0, "path": str(tmp_path / "ix"), "rows": 7, "complete": True, "seconds": run["seconds"]}
+    assert run["seconds"] > 0
     reference = session_rows(tmp_path, tokenizer, dataset, model.state_dict(), 4)
     assert_same_rows(open_index(tmp_path / "ix"), reference)
 
