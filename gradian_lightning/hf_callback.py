@@ -184,6 +184,7 @@ class HFGradientIndexer(TrainerCallback):
         # A save's index is written after its checkpoint, so a run killed while writing it resumes
         # past that save, which the Trainer never repeats. The weights it resumes with are the
         # ones saved there: the index is finished now, from the rows already on disk.
+        self._last_step = None  # a second train() counts its steps from 0 again
         if self.at != "save" or not state.global_step:
             return
         step = int(state.global_step)
