@@ -260,6 +260,15 @@ def test_rows_are_made_under_the_trainers_mixed_precision(tmp_path, tokenizer, d
     assert not torch.equal(rows, fp32) and torch.allclose(rows, fp32, rtol=0.1, atol=0.1 * fp32.abs().max())
 
 
+def test_one_callback_in_two_trainings_indexes_both(tmp_path, tokenizer, dataset):
+    indexer = HFGradientIndexer(tmp_path / "ix-{step}", dataset, verbose=False, **SETTINGS)
+    train(tmp_path / "first", tokenizer, dataset, [indexer])
+    # The second counts its steps from 0 again: its one evaluation, at step 4, is the first's last step.
+    train(tmp_path / "second", tokenizer, dataset, [indexer], eval_steps=4)
+    assert [s["step"] for s in indexer.session.summaries] == [2, 4, 4]
+    assert [r["step"] for r in indexer.runs] == [2, 4]  # a step's newest run replaces its entry
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
