@@ -144,6 +144,37 @@ def run_child(module: str, args: Sequence[str], timeout: float = 3600, flag: str
     return result
 
 
+def batch_clock(starts: List[float]) -> Any:
+    """A Lightning callback appending to `starts` the time (s, `time.perf_counter`) at which each
+    training or validation batch begins, after the device has finished the batch before it (CUDA
+    kernels run asynchronously, so without the synchronisation a batch's time would land on another)."""
+    import lightning as L
+    import torch
+
+    class BatchStarts(L.Callback):
+        def _start(self, trainer: Any) -> None:
+            device = trainer.strategy.root_device
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            starts.append(time.perf_counter())
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            self._start(trainer)
+
+        def on_validation_batch_start(self, trainer: Any, *args: Any) -> None:
+            self._start(trainer)
+
+    return BatchStarts()
+
+
+def steady_step_s(starts: Sequence[float], loop_s: float, batches: int) -> float:
+    """Seconds per batch between the second batch's start and the last's (`batch_clock`): not the
+    first (it pages the weights in, and Lightning sets up before it) nor the last (an index is
+    closed after it), so this is what each further batch costs; `loop_s / batches` when there are
+    fewer than three batches."""
+    return (starts[-1] - starts[1]) / (len(starts) - 2) if len(starts) > 2 else loop_s / batches
+
+
 def emit(result: Dict[str, Any]) -> None:
     """The child's answer to `run_child`: one JSON line on stdout."""
     print(json.dumps(result), flush=True)

@@ -11,12 +11,15 @@ stack (tests/test_layout.py fails on any import circle and names it):
     callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
     hf_callback.py             HFGradientIndexer: the Hugging Face Trainer's evaluations or saves and ranks mapped onto
                                the same IndexSession (no Lightning import)
+    data_sources.py            data.train / query.data (any file, save_to_disk folder, hub name) -> a checked
+                               datasets.Dataset; an index's rows read back from the sources its metadata names
     query/                     scoring: knows the store, never writes it
       rows.py                  query_gradients: data rows -> rows made like the index's
-      topk.py                  streaming_topk, score_all (every row, dense), Ranking, open_index -> Index
-      dask_engine.py           dask_topk: the same scoring as Dask reductions on a cluster (query.engine=dask)
-      precondition.py          none / diag / fisher from the index's row statistics
-      token_scores.py          each supervised token's term of a row's score
+      precondition.py          Diagonal, Fisher, EKFAC (one class each) from the index's row statistics; auto's rule
+      scorer.py                Scorer: one checkpoint's scoring, "auto" resolved once; prepare, score, describe
+      topk.py                  streaming_topk, score_all (every row, dense) over scorers, Ranking, open_index -> Index
+      dask_engine.py           dask_topk: a Scorer's scores as Dask reductions on a cluster (query.engine=dask)
+      token_scores.py          each supervised token's term of a row's score (Scorer.token_terms)
     index/                     writing and reading the zarr store: knows nothing of scoring or Lightning
       session.py               IndexSession: bind a model, begin -> add batches -> finish (or abort): one index
       layout.py                the one description of the on-disk layout, encoding, chunking
@@ -35,7 +38,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,
-                               checked once), config.py (omegaconf), data.py (JSONL -> batches),
+                               checked once), config.py (omegaconf), data.py (rows -> batches; ids),
                                hub.py (from_pretrained, pad token, file hash), versions.py,
                                extras.py (optional packages: import, or one line naming the extra)
 
@@ -52,8 +55,9 @@ One batch, indexing:
 One query:
     JSONL rows --query.rows.query_gradients (the same GradientRows, with the modules and
       spec read back from the index)--> query rows [Q, D]
-      --query.topk.streaming_topk: index chunks decoded into one buffer, scaled by the stored norms, scored as [Q, c] matmuls,
-      merged into a running top-k--> Ranking --recipes.query--> JSONL results
+      --query.scorer.Scorer (one per checkpoint: preconditioner and normalisation resolved once)--> prepared queries
+      --query.topk.streaming_topk: index chunks decoded into one buffer, each scored by Scorer.score as [Q, c] matmuls,
+      summed over checkpoints, merged into a running top-k--> Ranking --recipes.query--> JSONL results
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ _WHERE = {
     "Index": "query.topk",
     "Ranking": "query.topk",
     "open_index": "query.topk",
+    "Scorer": "query.scorer",
     "score_all": "query.topk",
     "streaming_topk": "query.topk",
     "run_validate": "recipes.validate",
@@ -105,6 +110,7 @@ if TYPE_CHECKING:
     from gradian_lightning.index.session import IndexSession
     from gradian_lightning.index.writer import IndexWriter
     from gradian_lightning.query.rows import query_gradients
+    from gradian_lightning.query.scorer import Scorer
     from gradian_lightning.query.token_scores import query_token_scores
     from gradian_lightning.query.topk import Index, Ranking, open_index, score_all, streaming_topk
     from gradian_lightning.recipes.validate import run_validate
@@ -124,6 +130,7 @@ __all__ = [
     "LinearCapture",
     "QuerySpec",
     "Ranking",
+    "Scorer",
     "TokenizedRows",
     "collate",
     "load_config",

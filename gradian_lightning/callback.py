@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -35,9 +36,12 @@ def check_strategy(strategy: Any) -> None:
         )
 
 
-def _check_arguments(dataloader_idx: Any, model_attribute: Any, verbose: Any, every_n_val_runs: Any) -> None:
+def _check_arguments(
+    dataloader_idx: Any, model_attribute: Any, verbose: Any, every_n_val_runs: Any, spec: Any, settings: Any
+) -> None:
     """The callback's own arguments, each refused in one `ConfigError` line (the session checks its own)."""
     for name, value, ok, allowed in (
+        ("spec", spec, spec is None or (isinstance(spec, IndexSpec) and not settings), "None or an IndexSpec alone"),
         ("dataloader_idx", dataloader_idx, is_int(dataloader_idx) and dataloader_idx >= 0, "an integer >= 0"),
         (
             "model_attribute",
@@ -67,7 +71,8 @@ class GradientIndexer(L.Callback):
             learning rate.
         spec_values, spec_settings: the `IndexSpec`'s settings (specs.py, `grads.*`), positional
             in its field order after `path` (`GradientIndexer("ix", "down_proj", 16)`) or by name;
-            an unknown name is refused in one line that lists the valid ones.
+            an unknown name is refused in one line that lists the valid ones. Or `spec`: the
+            `IndexSpec` itself, made already (`GradientIndexer("ix", spec=IndexSpec(...))`).
         dataloader_idx: which validation dataloader to index.
         model_attribute: dotted attribute of the Hugging Face model (default: the top-most PreTrainedModel).
         verbose: after each run, say on rank 0 what was written.
@@ -91,14 +96,16 @@ class GradientIndexer(L.Callback):
         checkpoints: bool = False,
         every_n_val_runs: int = 1,
         append: bool = False,
+        spec: Optional[IndexSpec] = None,
         **spec_settings: Any,
     ) -> None:
         own = ("path", "dataloader_idx", "model_attribute", "overwrite", "meta", "verbose")
-        own += ("rows_per_chunk", "checkpoints", "every_n_val_runs", "append")
-        spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
+        own += ("rows_per_chunk", "checkpoints", "every_n_val_runs", "append", "spec")
+        _check_arguments(dataloader_idx, model_attribute, verbose, every_n_val_runs, spec, spec_values or spec_settings)
+        if spec is None:
+            spec = spec_from_arguments(IndexSpec, "GradientIndexer", spec_values, spec_settings, own)
         options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta, "append": append}
-        self.session = IndexSession(spec, path, overwrite=overwrite, **options)
-        _check_arguments(dataloader_idx, model_attribute, verbose, every_n_val_runs)
+        self.session = IndexSession(spec, path, overwrite=overwrite, **options, caller="GradientIndexer")
         self.dataloader_idx, self.model_attribute = dataloader_idx, model_attribute
         self.verbose, self.every_n_val_runs = verbose, every_n_val_runs
         self.runs: List[Dict[str, Any]] = []  # finished runs, oldest first: {"step", "path", "rows", "complete"}
@@ -149,7 +156,7 @@ class GradientIndexer(L.Callback):
             meta = read_meta(path)
         except GradianError:
             return
-        if meta.get("global_step") == trainer.global_step and not meta.get("complete"):
+        if meta.global_step == trainer.global_step and not meta.complete:
             rank_zero_warn(
                 f"GradientIndexer: the index {path} of step {trainer.global_step}, where this fit resumes, was left incomplete and Lightning will not repeat "
                 "that validation run; resume from an earlier checkpoint to repeat it, or checkpoint after validation runs (ModelCheckpoint's default)"
@@ -185,10 +192,7 @@ class GradientIndexer(L.Callback):
             return
         computed = self.session.compute(batch, trainer.precision_plugin.forward_context())
         if trainer.world_size > 1:
-            tensors = pl_module.all_gather(computed.tensors())
-            ids: List[List[str]] = [[] for _ in range(trainer.world_size)]
-            torch.distributed.all_gather_object(ids, computed.ids)
-            computed = BatchRows(**{k: v.flatten(0, 1) for k, v in tensors.items()}, ids=sum(ids, []))
+            computed = gathered(trainer.strategy, computed)
         if trainer.is_global_zero:
             self.session.write(computed)
             for name, value in self.session.progress().items():
@@ -226,6 +230,21 @@ class GradientIndexer(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._todo = None
         self.session.abort()  # rank 0's writer keeps the rows it has; other ranks hold none
+
+
+def gathered(strategy: Any, computed: BatchRows) -> BatchRows:
+    """Every rank's rows of one batch (B each: the sampler pads ranks to equal batches), rank after
+    rank, through `strategy.all_gather`. Lightning's strategies gather tensors, not Python objects
+    (XLA's has no object collective), so the ids travel as their byte lengths [B], then their UTF-8
+    bytes, uint8 [B, the longest id of any rank], zero-padded."""
+    encoded = [i.encode("utf-8") for i in computed.ids]
+    lengths = torch.tensor([len(e) for e in encoded], dtype=torch.long, device=computed.rows.device)
+    tensors = {k: strategy.all_gather(v).flatten(0, 1) for k, v in {**computed.tensors(), "lengths": lengths}.items()}
+    lengths = tensors.pop("lengths").tolist()  # every rank's: the same width on each
+    width = max(lengths + [1])
+    padded = np.frombuffer(b"".join(e.ljust(width, b"\0") for e in encoded), dtype=np.uint8).reshape(-1, width)
+    raw = strategy.all_gather(torch.from_numpy(padded.copy()).to(computed.rows.device)).flatten(0, 1).cpu().numpy()
+    return BatchRows(**tensors, ids=[row[:n].tobytes().decode("utf-8") for row, n in zip(raw, lengths)])
 
 
 def _num_rows(loaders: Any, dataloader_idx: int) -> int:

@@ -5,7 +5,8 @@ file, folder or hub name into one). Each row is one of three formats, detected p
   - `prompt` + `completion`: the completion is supervised (and the EOS token after it);
   - `messages`: rendered with the tokenizer's chat template; assistant turns are supervised;
   - `text`: every token is supervised.
-An optional `id` column names the row in results; without it the row's position is its id.
+An optional `id` column names the row in results (ids compare by their string form everywhere:
+`id_hashes`); without it the row's position is its id.
 Columns named otherwise are mapped by `Fields` (the `data.*_field` settings); a null value is
 an absent one, as in a `datasets` table whose rows have different formats.
 
@@ -18,8 +19,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -27,6 +29,7 @@ from gradian_lightning.errors import DataError
 from gradian_lightning.specs import Fields
 
 IGNORE_INDEX = -100
+ID_BATCH = 8192  # ids read per batch where all of a source's or an index's are checked: ~1 MB, whatever the rows
 
 
 def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:
@@ -64,6 +67,17 @@ def read_jsonl(path: str | Path) -> List[Dict[str, Any]]:
     if not rows:
         raise DataError(f"data file {str(path)!r} has no rows; it needs at least one JSON object per line")
     return rows
+
+
+def id_hashes(batches: Iterator[Sequence[Any]], total: int) -> np.ndarray:
+    """int64 [total]: a 64-bit hash of each id's string form (its stored form: 7 and "7" are one id),
+    -1 where there is no id. 8 bytes a row, where a set of the strings would be ~70."""
+    out = np.full(total, -1, dtype=np.int64)
+    at = 0
+    for batch in batches:
+        out[at : at + len(batch)] = [hash(str(v)) if v is not None else -1 for v in batch]
+        at += len(batch)
+    return out
 
 
 def check_row(row: Dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gradian_lightning.data import Fields, read_jsonl
+from gradian_lightning.data import ID_BATCH, Fields, id_hashes, read_jsonl
 from gradian_lightning.errors import DataError
 
 # The datasets builder that reads each data file suffix (after a compression suffix, if any).
@@ -41,7 +41,6 @@ BUILDERS = {
     ".tsv": "csv",
 }
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".zstd")
-ID_BATCH = 8192  # ids read per batch by the repeated-id check: its memory (~1 MB), whatever the rows
 
 
 def builder_of(path: Path) -> Optional[str]:
@@ -240,17 +239,6 @@ def ids_of(dataset: Any, fields: Fields) -> Iterator[List[Any]]:
         yield column[lo : lo + ID_BATCH][fields.id]
 
 
-def id_hashes(batches: Iterator[Sequence[Any]], total: int) -> np.ndarray:
-    """int64 [total]: a 64-bit hash of each id's string form (its stored form: 7 and "7" are one id),
-    -1 where there is no id. 8 bytes a row, where a set of the strings would be ~70."""
-    out = np.full(total, -1, dtype=np.int64)
-    at = 0
-    for batch in batches:
-        out[at : at + len(batch)] = [hash(str(v)) if v is not None else -1 for v in batch]
-        at += len(batch)
-    return out
-
-
 def first_repeat(hashes: np.ndarray, id_at: Any) -> Optional[Tuple[int, int]]:
     """(earlier, later) positions of the first repeated id in `hashes` (`id_hashes`), ordered by
     the later row, or None. `id_at(position)` gives an id's string, to rule out hash collisions."""
@@ -295,19 +283,6 @@ def open_rows(source: Any, fields: Fields, key: str = "data.train") -> Any:
     return dataset
 
 
-def index_segments(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The sources of an index's rows, oldest first: {"data" (its `describe_source` record),
-    "offset" (its first row), "rows", "fingerprint" (of the run that wrote them)}; one for an
-    index that was never appended to (index.append)."""
-    first = {
-        "data": meta.get("data") or {},
-        "offset": 0,
-        "rows": meta["num_rows"],
-        "fingerprint": meta.get("fingerprint"),
-    }
-    return list(meta.get("segments") or [first])
-
-
 class IndexedRows:
     """The data rows an index was built from, by index position, read back from their sources
     (one `datasets.Dataset` per appended source, memory-mapped): `rows[i]` is row i under gradian's
@@ -325,12 +300,15 @@ class IndexedRows:
         return self.fields.row(dataset[int(i) - offset])
 
 
-def indexed_rows(meta: Dict[str, Any], fields: Fields, train: Any = None) -> Tuple[Optional[IndexedRows], str]:
-    """(`IndexedRows` of an index with metadata `meta`, "") when every source it was built from is
+def indexed_rows(
+    segments: Sequence[Dict[str, Any]], fields: Fields, train: Any = None
+) -> Tuple[Optional[IndexedRows], str]:
+    """(`IndexedRows` of an index whose rows came from `segments` (`IndexMeta.data_segments`), "")
+    when every source it was built from is
     still there and unchanged, else (None, why not, in words). `train`: a Python `datasets.Dataset`
     to use for a source recorded without a path, when its fingerprint matches."""
     parts = []
-    for segment in index_segments(meta):
+    for segment in segments:
         data = segment["data"]
         recorded = data.get("fingerprint") or data.get("sha256")
         path = data.get("path")

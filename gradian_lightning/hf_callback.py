@@ -37,10 +37,19 @@ EVENTS = ("evaluate", "save")
 
 
 def _check_arguments(
-    dataset: Any, at: Any, batch_size: Any, collate_fn: Any, verbose: Any, every_n: Any, name: str
+    dataset: Any,
+    at: Any,
+    batch_size: Any,
+    collate_fn: Any,
+    verbose: Any,
+    every_n: Any,
+    spec: Any,
+    settings: Any,
+    name: str,
 ) -> None:
     """The callback's own arguments, each refused in one `ConfigError` line (the session checks its own)."""
     for argument, value, ok, allowed in (
+        ("spec", spec, spec is None or (isinstance(spec, IndexSpec) and not settings), "None or an IndexSpec alone"),
         ("at", at, at in EVENTS, "'evaluate' (each evaluation) or 'save' (each checkpoint save)"),
         ("batch_size", batch_size, is_int(batch_size) and batch_size >= 1, "an integer >= 1"),
         (
@@ -129,7 +138,7 @@ class HFGradientIndexer(TrainerCallback):
             `query.checkpoints=all` sums them weighted as TracIn-CP does.
         dataset: the rows to index, map-style with a length (usually the training set, in order).
         spec_values, spec_settings: the `IndexSpec`'s settings (specs.py, `grads.*`), positional
-            in its field order after `dataset` or by name.
+            in its field order after `dataset` or by name. Or `spec`: the `IndexSpec` itself.
         at: "evaluate" or "save": which Trainer event indexes.
         batch_size: examples per indexing batch (`grads.batch_size`); each rank computes whole batches.
         collate_fn: list of examples -> batch (default `gradian_lightning.data.collate`).
@@ -157,15 +166,18 @@ class HFGradientIndexer(TrainerCallback):
         checkpoints: bool = False,
         every_n: int = 1,
         append: bool = False,
+        spec: Optional[IndexSpec] = None,
         **spec_settings: Any,
     ) -> None:
         name = type(self).__name__
         own = ("path", "dataset", "at", "batch_size", "collate_fn", "overwrite", "meta", "verbose")
-        own += ("rows_per_chunk", "checkpoints", "every_n", "append")
-        spec = spec_from_arguments(IndexSpec, name, spec_values, spec_settings, own)
-        _check_arguments(dataset, at, batch_size, collate_fn, verbose, every_n, name)
+        own += ("rows_per_chunk", "checkpoints", "every_n", "append", "spec")
+        settings = spec_values or spec_settings
+        _check_arguments(dataset, at, batch_size, collate_fn, verbose, every_n, spec, settings, name)
+        if spec is None:
+            spec = spec_from_arguments(IndexSpec, name, spec_values, spec_settings, own)
         options = {"rows_per_chunk": rows_per_chunk, "checkpoints": checkpoints, "meta": meta, "append": append}
-        self.session = IndexSession(spec, path, overwrite=overwrite, **options)
+        self.session = IndexSession(spec, path, overwrite=overwrite, **options, caller=name)
         self.dataset, self.at, self.batch_size = dataset, at, batch_size
         self.collate_fn = collate_fn or collate
         self.verbose, self.every_n = verbose, every_n

@@ -17,8 +17,7 @@ import numpy as np
 from gradian_lightning.errors import ConfigError
 
 STORAGE_DTYPES = ("float32", "float16", "bfloat16", "int8")
-# What the indexing backward recomputes instead of keeping (gradients/recompute.py); mlp measured
-# 0.58x the plain step's peak RSS at 0.67-0.74x its time on SmolLM2 (benchmarks/RESULTS.md §1).
+# What the indexing backward recomputes instead of keeping (gradients/recompute.py; costs: benchmarks/RESULTS.md §1).
 RECOMPUTE = ("mlp", "layers", "none")
 # Every decoder layer's MLP block, named by its role: the linear maps inside it are selected
 # (capture.py), whatever an architecture calls them. Measured best (benchmarks/RANKING.md).
@@ -99,8 +98,7 @@ class IndexSpec:
     """
 
     module_filter: Tuple[str, ...] = DEFAULT_MODULE_FILTER
-    # k = 32 in int8 (issue 29): four times k = 16's dimensions at twice its bytes, the better
-    # format on the worst LDS set (docs/configuration.md, "Choosing the scoring").
+    # k = 32 in int8, and what it was measured against: docs/configuration.md, "Choosing the scoring".
     projection_dim: Optional[int] = 32
     storage_dtype: str = "int8"
     seed: int = 0

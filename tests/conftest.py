@@ -87,6 +87,19 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+RENAMED = {"prompt": "question", "completion": "answer", "messages": "turns", "text": "body", "id": "key"}
+MAPPED = tuple(f"data.{part}_field={column}" for part, column in RENAMED.items())  # read RENAMED's columns back
+
+
+def write_renamed_parquet(path: Path, rows: list) -> Path:
+    """`rows` as a parquet file whose columns are named otherwise (RENAMED; the settings MAPPED map them back)."""
+    import datasets
+
+    columns = sorted({k for r in rows for k in r})  # every row every column: a missing one is null
+    datasets.Dataset.from_list([{RENAMED[k]: r.get(k) for k in columns} for r in rows]).to_parquet(str(path))
+    return path
+
+
 @pytest.fixture
 def saved_model(tmp_path_factory, tokenizer) -> Path:
     """A tiny Llama and its tokenizer saved as a local from_pretrained directory."""

@@ -82,8 +82,8 @@ def test_index_then_query_at_the_default_filter(arch, saved_models, tmp_path, ca
     written += sum(a.nbytes for a in group["statistics"].array_values())
     assert f"-> {human_bytes(written)} predicted for" in capsys.readouterr().out.splitlines()[0]
     # The default filter names the MLP block by its role: this architecture's own MLP matrices, nothing else.
-    assert [b["name"] for b in index.meta["modules"]] == mlp_names(arch)
-    assert index.meta["spec"]["module_filter"] == ["mlp"] and index.meta["complete"]
+    assert [b.name for b in index.meta.blocks] == mlp_names(arch)
+    assert index.meta.spec.module_filter == ("mlp",) and index.meta.complete
     rows = index.rows(slice(None))
     assert rows.shape == (len(ROWS), 32 * 32 * len(mlp_names(arch))) and rows.isfinite().all() and rows.abs().sum() > 0
     out_file = tmp_path / "results.jsonl"
@@ -142,7 +142,7 @@ def test_rows_are_the_exact_per_example_gradients(arch, saved_models, tokenizer,
     ]
     assert main(["index", *common, f"index.path={tmp_path / 'exact'}", "grads.projection_dim=null"]) == 0
     index = open_index(tmp_path / "exact")
-    assert [b["shape"] for b in index.meta["modules"]] == [list(modules[n].weight.shape) for n in modules]
+    assert [list(b.shape) for b in index.meta.blocks] == [list(modules[n].weight.shape) for n in modules]
     assert relative_error(index.rows(slice(None)), exact) < 1e-5
 
     k, seed = 8, 3

@@ -62,7 +62,7 @@ def test_validate_writes_every_row_at_its_position(tmp_path, model, dataset, inf
     )
     trainer(tmp_path, [indexer], inference_mode=inference_mode).validate(FineTune(model), dataloaders=loader(dataset))
     index = open_index(tmp_path / "ix")
-    assert index.meta["complete"] and len(index) == len(dataset)
+    assert index.meta.complete and len(index) == len(dataset)
     modules = select_modules(model, ["down_proj", "q_proj"])
     with torch.enable_grad():
         want, losses = GradientRows(model, IndexSpec(projection_dim=4, seed=3, recompute="none"), modules)(
@@ -74,7 +74,7 @@ def test_validate_writes_every_row_at_its_position(tmp_path, model, dataset, inf
     assert index.column("supervised_tokens").tolist() == [
         sum(t != -100 for t in e.labels[1:]) for e in dataset.examples
     ]
-    assert [m["name"] for m in index.meta["modules"]] == list(modules)
+    assert [m.name for m in index.meta.blocks] == list(modules)
     assert indexer.summary["rows"] == len(dataset) and indexer.summary["empty_rows"] == []
 
 
@@ -133,7 +133,7 @@ def test_fit_is_bit_identical_with_and_without_the_indexer(tmp_path, tokenizer, 
     # one index per validation run, none for the sanity check (which runs at step 0)
     steps = sorted(p.name for p in (tmp_path / "b").glob("ix-step*"))
     assert steps == ["ix-step4", "ix-step8"] and t.global_step == 8
-    assert open_index(tmp_path / "b" / "ix-step8").meta["global_step"] == 8
+    assert open_index(tmp_path / "b" / "ix-step8").meta.global_step == 8
 
 
 def test_rerun_of_a_complete_index_does_no_work(tmp_path, model, dataset):

@@ -3,7 +3,10 @@ checkpoints (a resumed fit carries on indexing), printing on rank 0 only."""
 
 import dataclasses
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -14,8 +17,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, IndexSpec, open_index
+from gradian_lightning.callback import gathered
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.index.session import BatchRows
 
 
 @pytest.mark.parametrize(
@@ -62,6 +67,66 @@ def test_the_spec_settings_are_the_index_specs_fields_and_an_unknown_one_is_name
         GradientIndexer("ix", "down_proj", module_filter="q_proj")  # given twice
     with pytest.raises(ConfigError, match="7 settings after the first argument"):
         GradientIndexer("ix", "down_proj", 8, "float32", 3, "none", None, 1)
+
+
+def test_a_made_index_spec_is_taken_as_it_is_and_alone():
+    """`spec=IndexSpec(...)` (what gradian index passes) is the session's spec; beside its own
+    settings, or not an IndexSpec, it is one line."""
+    spec = IndexSpec(module_filter="down_proj", projection_dim=8)
+    assert GradientIndexer("ix", spec=spec).session.spec is spec
+    for args, kwargs in (
+        ((), {"spec": {"projection_dim": 8}}),
+        (("down_proj",), {"spec": spec}),
+        ((), {"spec": spec, "seed": 1}),
+    ):
+        with pytest.raises(ConfigError) as err:
+            GradientIndexer("ix", *args, **kwargs)
+        assert str(err.value).startswith("GradientIndexer(spec=") and "use None or an IndexSpec alone" in str(err.value)
+
+
+class TwoRanks:
+    """Two ranks as two threads: `all_gather` swaps their tensors, and, as a real collective
+    needs, refuses tensors of other shapes on each rank."""
+
+    def __init__(self):
+        self.barrier, self.slots = threading.Barrier(2, timeout=10), [None, None]
+
+    def strategy(self, rank):
+        def all_gather(tensor):
+            self.slots[rank] = tensor
+            self.barrier.wait()
+            both = list(self.slots)
+            self.barrier.wait()
+            assert both[0].shape == both[1].shape, f"rank {rank}: {both[0].shape} against {both[1].shape}"
+            return torch.stack(both)
+
+        return SimpleNamespace(all_gather=all_gather)
+
+
+def batch_rows(ids, first):
+    n = len(ids)
+    return BatchRows(
+        index=torch.arange(first, first + n),
+        rows=torch.randn(n, 3),
+        loss=torch.randn(n),
+        supervised=torch.arange(n),
+        truncated=torch.zeros(n, dtype=torch.long),
+        wanted=torch.rand(n) > 0.5,
+        ids=ids,
+    )
+
+
+def test_ids_cross_ranks_as_utf8_bytes_through_the_strategys_tensor_gather():
+    """No torch.distributed object collective: ids of other byte lengths on each rank (several
+    bytes a character, none, an inner zero byte) come back whole through a tensors-only all_gather."""
+    ranks = TwoRanks()
+    batches = [batch_rows(["café ☕", "", "7"], 0), batch_rows(["a\x00b", "x", "sky"], 3)]
+    with ThreadPoolExecutor(2) as pool:
+        both = [f.result() for f in [pool.submit(gathered, ranks.strategy(r), batches[r]) for r in (0, 1)]]
+    for got in both:
+        assert got.ids == batches[0].ids + batches[1].ids
+        for name, tensor in batches[0].tensors().items():
+            assert torch.equal(getattr(got, name), torch.cat([tensor, getattr(batches[1], name)])), name
 
 
 class FineTune(L.LightningModule):
@@ -124,14 +189,14 @@ def test_a_fit_resumed_from_a_checkpoint_continues_indexing_where_it_stopped(tmp
 
     with pytest.raises(RuntimeError, match="killed"):
         fit(tmp_path / "cut", tokenizer, dataset, crash_at_step=8)  # dies indexing step 8, after the step-4 checkpoint
-    assert not open_index(tmp_path / "cut" / "ix-8").meta["complete"]
+    assert not open_index(tmp_path / "cut" / "ix-8").meta.complete
     resumed = fit(tmp_path / "cut", tokenizer, dataset, ckpt_path=tmp_path / "cut" / "ckpt" / "step=4.ckpt")
     # The step-4 run comes back from the checkpoint; step 8 is indexed again, from the same weights.
     assert [(r["step"], r["rows"], r["complete"]) for r in resumed.runs] == [(4, 7, True), (8, 7, True)]
     assert resumed.runs[0]["path"] == str(tmp_path / "cut" / "ix-4")
     for step in (4, 8):
         got, want = open_index(tmp_path / "cut" / f"ix-{step}"), open_index(tmp_path / "whole" / f"ix-{step}")
-        assert got.meta["complete"] and got.meta["global_step"] == step
+        assert got.meta.complete and got.meta.global_step == step
         np.testing.assert_allclose(got.rows(slice(None)).numpy(), want.rows(slice(None)).numpy(), rtol=1e-5, atol=1e-7)
 
 
@@ -167,7 +232,7 @@ def test_resuming_past_an_interrupted_indexing_run_says_so(tmp_path, tokenizer, 
         run(crash_at_step=4)
     with pytest.warns(UserWarning, match=r"ix-4 of step 4, where this fit resumes, was left incomplete"):
         run(ckpt_path=tmp_path / "ckpt" / "step=4.ckpt")
-    assert not open_index(tmp_path / "ix-4").meta["complete"]
+    assert not open_index(tmp_path / "ix-4").meta.complete
 
 
 def test_state_dict_round_trip_and_settings_change_warning(tmp_path):

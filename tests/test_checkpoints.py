@@ -73,7 +73,7 @@ def test_checkpoint_sum_equals_lr_weighted_single_checkpoint_scores(tmp_path, mo
     assert len(set(lrs)) == 3 and all(e["complete"] for e in index.checkpoints)
     group = zarr.open_group(str(tmp_path / "ix"), mode="r")  # plain zarr shows where each checkpoint lives
     for e in index.checkpoints:
-        assert group[e["group"]]["grads"].shape == (len(dataset), index.meta["width"])
+        assert group[e["group"]]["grads"].shape == (len(dataset), index.meta.width)
     queries = query_rows_at(index, model, tokenizer, rows[:3], weights)
     n = len(index)
     for precondition in ("none", "diag"):
@@ -182,9 +182,7 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
         f"  step 0: {len(rows)}/{len(rows)} rows (complete)",
     ]
     assert f"  step 1: {len(rows)}/{len(rows)} rows (complete)" in out
-    assert index.at(0).meta["model"]["name_or_path"] == str(saved_model) and index.meta["model"]["name_or_path"] == str(
-        tuned
-    )
+    assert index.at(0).meta.model["name_or_path"] == str(saved_model) and index.meta.model["name_or_path"] == str(tuned)
     assert (
         main(
             [

@@ -23,6 +23,7 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.index import layout
 from gradian_lightning.query import dask_engine
 from gradian_lightning.query.dask_engine import dask_client, dask_topk
+from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
 from gradian_lightning.query.topk import streaming_topk
 from gradian_lightning.specs import QuerySpec
 
@@ -36,6 +37,7 @@ from distributed import Client, LocalCluster
 from gradian_lightning import open_index
 from gradian_lightning.cli import main
 from gradian_lightning.query.dask_engine import dask_topk
+from gradian_lightning.query.scorer import Scorer
 from gradian_lightning.specs import QuerySpec
 
 if __name__ == "__main__":  # worker processes re-import this file as __mp_main__
@@ -45,7 +47,7 @@ if __name__ == "__main__":  # worker processes re-import this file as __mp_main_
         index, queries = open_index(job["index"]), torch.from_numpy(np.load(job["queries"]))
         for score, normalize, k in job["cases"]:
             spec = QuerySpec(top_k=k, bottom_k=k, score=score, normalize=normalize, precondition="none")
-            top, bottom = dask_topk(index, queries, spec, client=client)
+            top, bottom = dask_topk(Scorer(index, spec).prepare(queries), client=client)
             out["rankings"].append([r.tolist() for r in (top.indices, top.scores, bottom.indices, bottom.scores)])
         out["query_exit"] = main(job["query"] + [f"query.dask_scheduler={{cluster.scheduler_address}}"])
     print("RESULT " + json.dumps(out))
@@ -125,7 +127,7 @@ def test_dask_ranks_like_the_local_scorer_on_two_workers(tmp_path, saved_model, 
     for (score, normalize, k), ranking in zip(cases, result["rankings"]):
         top_i, top_s, bottom_i, bottom_s = (np.asarray(r) for r in ranking)
         spec = QuerySpec(top_k=k, bottom_k=k, score=score, normalize=normalize, precondition="none")
-        local_top, local_bottom = streaming_topk(index, queries, spec)
+        local_top, local_bottom = streaming_topk(checkpoint_scorers(index, queries, spec))
         np.testing.assert_array_equal(top_i, local_top.indices.numpy())
         np.testing.assert_array_equal(bottom_i, local_bottom.indices.numpy())
         np.testing.assert_allclose(top_s, local_top.scores.numpy(), rtol=1e-5, atol=1e-6)
@@ -154,7 +156,7 @@ def test_dask_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
             pass
     index = build_index("memory://gradian-dask-test/ix", torch.ones(3, 2))
     with pytest.raises(ConfigError, match="a memory:// store lives in this process and Dask workers see an empty one"):
-        dask_topk(index, torch.ones(1, 2), QuerySpec(top_k=1))
+        dask_topk(Scorer(index, QuerySpec(top_k=1)).prepare(torch.ones(1, 2)))
     code, _, err = run(
         capsys,
         "query",
@@ -183,8 +185,8 @@ def test_dask_blocks_decode_like_the_local_reader(tmp_path, monkeypatch, storage
     queries = torch.randn(3, d, generator=g)
     for score, normalize in CASES:
         spec = QuerySpec(top_k=6, bottom_k=2, score=score, normalize=normalize, precondition="none")
-        top, bottom = dask_topk(index, queries, spec, client="sync")
-        local_top, local_bottom = streaming_topk(index, queries, spec)
+        top, bottom = dask_topk(Scorer(index, spec).prepare(queries), client="sync")
+        local_top, local_bottom = streaming_topk(checkpoint_scorers(index, queries, spec))
         np.testing.assert_array_equal(top.indices.numpy(), local_top.indices.numpy())
         np.testing.assert_array_equal(bottom.indices.numpy(), local_bottom.indices.numpy())
         np.testing.assert_allclose(top.scores.numpy(), local_top.scores.numpy(), rtol=1e-5, atol=1e-6)

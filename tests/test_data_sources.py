@@ -11,8 +11,8 @@ import torch
 from conftest import ROWS, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
-from gradian_lightning.data import Fields
-from gradian_lightning.data_sources import StreamedRows, first_repeat, id_hashes, open_rows, streamed_rows
+from gradian_lightning.data import Fields, id_hashes
+from gradian_lightning.data_sources import StreamedRows, first_repeat, open_rows, streamed_rows
 from gradian_lightning.errors import DataError
 from gradian_lightning.recipes.index import run_index
 

@@ -25,9 +25,9 @@ def test_finetune_and_attribute_smoke(tmp_path, capsys):
     assert [int(step) for step, _ in runs] == [8, 16]
     for _, path in runs:
         index = open_index(path)
-        names = [m["name"] for m in index.meta["modules"]]
+        names = [m.name for m in index.meta.blocks]
         assert (
-            index.meta["complete"]
+            index.meta.complete
             and len(names) == 8
             and all(re.search(r"\.(q|v)_proj\.lora_[AB]\.default$", n) for n in names)
         )
@@ -46,8 +46,8 @@ def test_hf_trainer_and_attribute_smoke(tmp_path, capsys):
     # last step (linear decay from 1e-2), of the LoRA matrices only.
     assert [int(s) for s in re.findall(r"indexed at step (\d+) \(lr \S+\): 120 rows", out)] == [8, 16]
     index = open_index(tmp_path / "index")
-    names = [m["name"] for m in index.meta["modules"]]
-    assert index.meta["complete"] and [e["step"] for e in index.checkpoints] == [8, 16]
+    names = [m.name for m in index.meta.blocks]
+    assert index.meta.complete and [e["step"] for e in index.checkpoints] == [8, 16]
     # Step s trained at 1e-2 · (1 - (s - 1) / 16): the rate each checkpoint's sum weight comes from.
     assert [e["lr"] for e in index.checkpoints] == pytest.approx([1e-2 * (1 - 7 / 16), 1e-2 * (1 - 15 / 16)])
     assert len(names) == 8 and all(re.search(r"\.(q|v)_proj\.lora_[AB]\.default$", n) for n in names)

@@ -85,9 +85,7 @@ def test_fsdp2_on_two_cpu_ranks_writes_the_unsharded_rows_and_names(tmp_path):
         plain.session.gradient_rows.modules
     )  # module_filter names the same modules as without FSDP
     sharded, unsharded = open_index(tmp_path / "sharded"), open_index(tmp_path / "plain")
-    assert sharded.meta["complete"] and [b["name"] for b in sharded.meta["modules"]] == [
-        b["name"] for b in unsharded.meta["modules"]
-    ]
+    assert sharded.meta.complete and [b.name for b in sharded.meta.blocks] == [b.name for b in unsharded.meta.blocks]
     torch.testing.assert_close(sharded.rows(slice(None)), unsharded.rows(slice(None)), rtol=1e-4, atol=1e-5)
 
 

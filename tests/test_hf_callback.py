@@ -111,7 +111,7 @@ def test_each_evaluation_writes_the_rows_index_session_writes(tmp_path, tokenize
     assert sorted(snapshots.seen) == [2, 4]
     for step in (2, 4):
         index = open_index(tmp_path / f"ix-step{step}")
-        assert index.meta["global_step"] == step and len(index) == len(dataset)
+        assert index.meta.global_step == step and len(index) == len(dataset)
         assert_same_rows(index, session_rows(tmp_path, tokenizer, dataset, snapshots.seen[step]["weights"], 3, step))
     # The weights moved between the two evaluations, so the rows did too.
     assert not torch.equal(
@@ -132,7 +132,7 @@ def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer,
     # Linear decay to 0 after step 4: each checkpoint weighs by the rate its last step trained at,
     # not the next step's (0 for the last, which would drop it from the sum).
     assert [snapshots.seen[s]["lr"] for s in (2, 4)] == [0.0075, 0.0025]
-    assert index.meta["complete"] and len(indexer.runs) == 2
+    assert index.meta.complete and len(indexer.runs) == 2
     for step in (2, 4):
         reference = session_rows(tmp_path, tokenizer, dataset, snapshots.seen[step]["weights"], 4, step)
         assert_same_rows(index.at(step), reference)
@@ -225,7 +225,7 @@ def test_training_is_bit_identical_with_and_without_the_indexer(tmp_path, tokeni
         assert torch.equal(before["rng"], after["rng"])
         for key, grad in before["grads"].items():
             assert (grad is None and after["grads"][key] is None) or torch.equal(grad, after["grads"][key]), key
-    assert open_index(tmp_path / "indexed" / "ix-4").meta["complete"]
+    assert open_index(tmp_path / "indexed" / "ix-4").meta.complete
 
 
 def test_evaluate_alone_indexes_the_current_weights_and_every_n_skips(tmp_path, tokenizer, dataset):
@@ -279,6 +279,8 @@ def test_one_callback_in_two_trainings_indexes_both(tmp_path, tokenizer, dataset
         ({"verbose": "yes"}, "HFGradientIndexer(verbose='yes') is not allowed; use True or False"),
         ({"dataset": iter([1, 2])}, "HFGradientIndexer(dataset=...) needs a map-style dataset with a length"),
         ({"dataloader_idx": 1}, "HFGradientIndexer(dataloader_idx=...) is not allowed"),
+        ({"spec": IndexSpec(), "seed": 1}, "HFGradientIndexer(spec=IndexSpec("),
+        ({"rows_per_chunk": 0}, "HFGradientIndexer(rows_per_chunk=0) is not allowed; use None or an integer >= 1"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(tmp_path, dataset, kwargs, message):
@@ -287,6 +289,11 @@ def test_bad_arguments_are_refused_in_one_line(tmp_path, dataset, kwargs, messag
         HFGradientIndexer(tmp_path / "ix", kwargs.pop("dataset"), **kwargs)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
     assert not (tmp_path / "ix").exists()
+
+
+def test_a_made_spec_is_the_spec(tmp_path, dataset):
+    spec = IndexSpec(**SETTINGS)
+    assert HFGradientIndexer(tmp_path / "ix", dataset, spec=spec).session.spec is spec
 
 
 def test_sharded_trainers_are_refused():
@@ -332,13 +339,23 @@ class SaveWeights(TrainerCallback):
 
 def _ddp_rank(rank, world, port, tmp_path, tokenizer, dataset, errors):
     """One rank of a `torchrun`-like CPU launch: the Trainer reads the environment (gloo)."""
+    import faulthandler
+    import os
+
+    from accelerate.state import AcceleratorState, PartialState
+
+    # A rank still here after 4 minutes writes where it waits and exits: the parent reports it.
+    faulthandler.dump_traceback_later(240, exit=True, file=open(errors / f"rank{rank}-stack.txt", "w"))
     try:
-        import os
-
-        from accelerate.state import AcceleratorState, PartialState
-
+        # As under torchrun, the rendezvous store is the launcher's (the parent's), not rank 0's:
+        # a rank that finishes first takes no store down with it.
         os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            TORCHELASTIC_USE_AGENT_STORE="True",
         )
         # The forked child inherits the parent's one-process accelerate state (set by earlier tests): start afresh.
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -348,7 +365,7 @@ def _ddp_rank(rank, world, port, tmp_path, tokenizer, dataset, errors):
         )
         trainer = train(tmp_path, tokenizer, dataset, [indexer, SaveWeights(tmp_path)], ddp_backend="gloo")
         assert trainer.args.world_size == world and trainer.args.process_index == rank
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
     except BaseException as err:  # the parent reports it
         (errors / f"rank{rank}.txt").write_text(repr(err))
         raise
@@ -357,24 +374,27 @@ def _ddp_rank(rank, world, port, tmp_path, tokenizer, dataset, errors):
 @pytest.mark.slow  # two CPU ranks in child processes
 def test_two_ranks_share_the_batches_and_write_the_one_process_rows(tmp_path, tokenizer, dataset):
     import multiprocessing
-    import socket
+    from datetime import timedelta
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False
+    )
     errors = tmp_path / "errors"
     errors.mkdir()
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_ddp_rank, args=(r, 2, port, tmp_path, tokenizer, dataset, errors)) for r in (0, 1)]
+    ranks = [
+        context.Process(target=_ddp_rank, args=(r, 2, store.port, tmp_path, tokenizer, dataset, errors)) for r in (0, 1)
+    ]
     for p in ranks:
         p.start()
     for p in ranks:
         p.join(timeout=300)
     for p in ranks:
-        if p.is_alive():  # one rank failed and the other waits in a collective: end it, then report
+        if p.is_alive():
             p.kill()
             p.join()
-    assert [p.exitcode for p in ranks] == [0, 0], [f.read_text() for f in errors.iterdir()]
+    reports = {f.name: f.read_text() for f in errors.iterdir() if f.read_text()}
+    assert [p.exitcode for p in ranks] == [0, 0], reports
     # 7 rows in batches of 2: batches 0 and 2 on rank 0, 1 and 3 on rank 1, at each of the two evaluations.
     shares = [sorted(int(i) for i in (tmp_path / f"rank{r}.txt").read_text().split()) for r in (0, 1)]
     assert shares == [sorted([0, 1, 4, 5] * 2), sorted([2, 3, 6] * 2)]
@@ -382,5 +402,5 @@ def test_two_ranks_share_the_batches_and_write_the_one_process_rows(tmp_path, to
     for step in (2, 4):
         weights = torch.load(tmp_path / f"weights-{step}.pt", weights_only=True)
         index = open_index(tmp_path / f"ix-{step}")
-        assert index.meta["complete"] and index.meta["global_step"] == step
+        assert index.meta.complete and index.meta.global_step == step
         assert_same_rows(index, session_rows(tmp_path, tokenizer, dataset, weights, 2, step))

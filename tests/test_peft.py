@@ -74,7 +74,7 @@ def test_lora_rows_are_the_exact_per_example_gradients_of_the_adapter(tmp_path, 
     before = {n: (p.requires_grad, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
     index = run(tmp_path, model, dataset, ["lora_A", "lora_B"], dim=None)
     causal_lm = model.get_base_model()
-    names = [m["name"] for m in index.meta["modules"]]
+    names = [m.name for m in index.meta.blocks]
     wanted = [n for n, _ in causal_lm.named_parameters() if ".lora_" in n]
     assert names == [n.rsplit(".", 1)[0] for n in wanted]  # every adapter matrix, in model order, nothing else
     exact = per_example_weight_grads(causal_lm, dataset, names)
@@ -91,7 +91,7 @@ def test_projected_lora_rows_match_the_projection_of_the_exact_gradients(tmp_pat
     dataset = JsonlDataset(rows, tokenizer, 64)
     index = run(tmp_path, model, dataset, ["q_proj.lora_A", "q_proj.lora_B", "v_proj.lora_B"], dim=4)
     causal_lm = model.get_base_model()
-    names = [m["name"] for m in index.meta["modules"]]
+    names = [m.name for m in index.meta.blocks]
     assert (
         all(n.endswith((".q_proj.lora_A.default", ".q_proj.lora_B.default", ".v_proj.lora_B.default")) for n in names)
         and len(names) == 6
@@ -114,7 +114,7 @@ def test_base_layers_answer_to_the_layer_name(tmp_path, tokenizer, rows):
     dataset = JsonlDataset(rows, tokenizer, 64)
     index = run(tmp_path, model, dataset, ["q_proj", "down_proj"], dim=None)
     causal_lm = model.get_base_model()
-    names = [m["name"] for m in index.meta["modules"]]
+    names = [m.name for m in index.meta.blocks]
     assert names == [
         f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj.base_layer", "mlp.down_proj")
     ]
@@ -132,7 +132,7 @@ def test_model_attribute_naming_the_peft_model_and_queries_through_it(tmp_path, 
         callbacks=[indexer], accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
     ).validate(ValidateOnly(model), DataLoader(dataset, batch_size=4, collate_fn=collate), verbose=False)
     index = open_index(tmp_path / "ix")
-    assert [m["name"] for m in index.meta["modules"]] == [
+    assert [m.name for m in index.meta.blocks] == [
         f"model.layers.{i}.self_attn.{p}.lora_B.default" for i in range(2) for p in ("q_proj", "v_proj")
     ]
     # A PeftModel handed to query_gradients runs like the indexed one: training rows score as their own rows.

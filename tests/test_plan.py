@@ -6,7 +6,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import ROWS, make_model, saved_activation_bytes, write_jsonl
+from conftest import MAPPED, ROWS, make_model, saved_activation_bytes, write_jsonl, write_renamed_parquet
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader
 
@@ -162,6 +162,15 @@ def test_plan_cli_prints_the_numbers_without_loading_weights(tmp_path, wide_mode
     assert plan["largest_batch_size_that_fits"] == largest_fitting_batch(
         counts, longest, VOCAB, weights, plan["activation_bytes_per_token"], 2**20
     )
+
+
+def test_a_parquet_file_with_renamed_columns_plans_as_its_jsonl_twin(tmp_path, wide_model):
+    """plan reads data.train as gradian index does: any source, through the data.*_field mapping."""
+    want = make_plan(config(tmp_path, wide_model, ROWS), device_memory=2**20)
+    parquet = write_renamed_parquet(tmp_path / "train.parquet", ROWS)
+    got = make_plan(config(tmp_path, wide_model, ROWS, f"data.train={parquet}", *MAPPED), device_memory=2**20)
+    assert got["data"] == str(parquet) and {**got, "data": None} == {**want, "data": None}
+    assert got["rows"] == len(ROWS) and got["supervised_tokens"]["min"] > 0  # every row's format was read
 
 
 def sorted_counts(model_dir, rows):

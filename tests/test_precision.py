@@ -65,7 +65,7 @@ def test_bf16_rows_are_finite_and_close_to_fp32_rows_and_the_loss_is_fp32_at_gat
     full = index_rows(tmp_path, tokenizer, dataset, "32-true")
     record = Tensors()
     low = index_rows(tmp_path, tokenizer, dataset, precision, record)
-    assert low.meta["model"]["dtype"] == weights and low.meta["complete"] and low.column("finite").all()
+    assert low.meta.model["dtype"] == weights and low.meta.complete and low.column("finite").all()
     got, want = low.rows(slice(None)), full.rows(slice(None))
     assert torch.isfinite(got).all()
     error = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()

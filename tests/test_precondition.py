@@ -10,8 +10,7 @@ import zarr
 from gradian_lightning import open_index
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.writer import IndexWriter
-from gradian_lightning.query.precondition import resolved_spec
-from gradian_lightning.query.topk import uses_whitened_norms
+from gradian_lightning.query.scorer import Scorer, resolved_spec
 from gradian_lightning.specs import DEFAULT_DAMPING, QuerySpec
 
 N, S = 40, 9  # rows; block size k² with k = 3
@@ -137,19 +136,19 @@ def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(
     """The default, query.precondition=auto: fisher for blocks of k² <= GRAM_MAX_SIZE, diag beyond (k = 64, exact rows)."""
     import gradian_lightning.index.statistics as statistics
     from gradian_lightning.config import QueryConfig
-    from gradian_lightning.query.precondition import resolve
+    from gradian_lightning.query.precondition import auto_preconditioner
 
     assert QueryConfig().precondition == "auto"
     train, queries = random_rows(N, 0), random_rows(5, 1)
     kept = make_index(tmp_path / "kept", train)
-    assert N >= 4 * S and resolve(kept, "auto") == "fisher" and resolve(kept, "diag") == "diag"
+    assert N >= 4 * S and auto_preconditioner(kept) == "fisher"
     np.testing.assert_array_equal(
         all_scores(kept, queries, precondition="auto", damping=1.0),
         all_scores(kept, queries, precondition="fisher", damping=1.0),
     )
     monkeypatch.setattr(statistics, "GRAM_MAX_SIZE", S - 1)  # as k = 64 is to the real limit: no second moments kept
     wide = make_index(tmp_path / "wide", train)
-    assert resolve(wide, "auto") == "diag"
+    assert auto_preconditioner(wide) == "diag"
     np.testing.assert_array_equal(
         all_scores(wide, queries, precondition="auto", damping=1.0),
         all_scores(wide, queries, precondition="diag", damping=1.0),
@@ -161,13 +160,13 @@ def test_auto_is_fisher_where_the_index_keeps_second_moments_and_diag_elsewhere(
 def test_auto_leaves_fisher_to_indexes_with_at_least_as_many_rows_as_its_dimensions(tmp_path):
     """Below FISHER_ROWS_PER_DIMENSION × k² counted rows F is mostly damping: auto scores as
     AUTO_FEW_ROWS does, with per-module cosine; from that many, as fisher does, with a whole-row cosine."""
-    from gradian_lightning.query.precondition import AUTO_FEW_ROWS, FISHER_ROWS_PER_DIMENSION, resolve
+    from gradian_lightning.query.precondition import AUTO_FEW_ROWS, FISHER_ROWS_PER_DIMENSION, auto_preconditioner
 
     assert FISHER_ROWS_PER_DIMENSION == 1 and AUTO_FEW_ROWS != "fisher"
     queries = random_rows(5, 1)
     for rows, used, normalize in ((S - 1, AUTO_FEW_ROWS, "module"), (S, "fisher", "row")):
         index = make_index(tmp_path / f"rows{rows}", random_rows(rows, 0))
-        assert resolve(index, "auto") == used
+        assert auto_preconditioner(index) == used
         assert resolved_spec(index, QuerySpec()) == QuerySpec(precondition=used, normalize=normalize)
         np.testing.assert_array_equal(
             all_scores(index, queries, damping=1.0),
@@ -185,8 +184,9 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
     whitening every chunk (what an index whose close was killed before the norms were recorded gets)."""
     train, queries = random_rows(N, 0), random_rows(5, 1)
     index = make_index(tmp_path / "ix", train)
-    assert index.whitened_damping == DEFAULT_DAMPING and uses_whitened_norms(
-        index, QuerySpec(score=score, precondition="fisher")
+    assert (
+        index.whitened_damping == DEFAULT_DAMPING
+        and Scorer(index, QuerySpec(score=score, precondition="fisher")).shortcut
     )
     metric = dense_metric(train, queries, "fisher", DEFAULT_DAMPING)
     np.testing.assert_allclose(
@@ -204,8 +204,8 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
     if score == "cosine":
         del zarr.open_group(str(tmp_path / "ix"), mode="r+")["statistics"].attrs["whitened_damping"]
         slow = open_index(tmp_path / "ix")
-        assert slow.whitened_damping is None and not uses_whitened_norms(
-            slow, QuerySpec(score=score, precondition="fisher")
+        assert (
+            slow.whitened_damping is None and not Scorer(slow, QuerySpec(score=score, precondition="fisher")).shortcut
         )
         np.testing.assert_allclose(
             all_scores(slow, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING),
@@ -213,7 +213,7 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
             atol=2e-6,
         )
     # another damping whitens every chunk: the stored norms are for the default only
-    assert not uses_whitened_norms(index, QuerySpec(precondition="fisher", damping=0.5))
+    assert not Scorer(index, QuerySpec(precondition="fisher", damping=0.5)).shortcut
 
 
 def test_whitened_norms_are_stored_once_every_row_is_written_and_survive_a_resume(tmp_path):

@@ -17,6 +17,7 @@ from gradian_lightning.errors import ConfigError, DataError, IndexMismatchError
 from gradian_lightning.index import layout
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query.rows import check_matches_index
+from gradian_lightning.query.scorer import checkpoint_scorers
 from gradian_lightning.recipes.index import CausalLMModule
 
 META = {"fingerprint": "t", "global_step": 0}
@@ -93,7 +94,7 @@ def test_streaming_topk_equals_full_argsort_across_chunk_edges(
     for k in (1, 4, 5, 7, int(valid.sum()), n, 40):  # k = rankable rows, k = N and k > N
         reads.clear()
         spec = QuerySpec(top_k=k, bottom_k=k, score=score, normalize=normalize, precondition="none")
-        top, bottom = streaming_topk(index, queries, spec)
+        top, bottom = streaming_topk(checkpoint_scorers(index, queries, spec))
         want_i, want_s = argsort_ranking(queries, grads, valid, k, score, blocks=reference_blocks)
         assert top.indices.shape == (4, min(k, 18))
         np.testing.assert_array_equal(top.indices.numpy(), want_i)

@@ -88,7 +88,7 @@ def test_indexer_with_recomputed_layers_writes_the_same_index(tmp_path, model, t
         )
         trainer.validate(ValidateOnly(model), dataloaders=DataLoader(dataset, batch_size=3, collate_fn=collate))
     kept, recomputed = open_index(tmp_path / "kept"), open_index(tmp_path / "recomputed")
-    assert recomputed.meta["complete"]
+    assert recomputed.meta.complete
     torch.testing.assert_close(recomputed.rows(slice(None)), kept.rows(slice(None)), rtol=1e-6, atol=1e-7)
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
 

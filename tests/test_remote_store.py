@@ -53,7 +53,7 @@ def test_url_index_resumes_and_queries_like_a_local_one(tmp_path, saved_model, m
     if scheme == "file":
         assert (tmp_path / "deep" / "ix" / "zarr.json").is_file()
     local, remote = open_index(tmp_path / "local"), open_index(url)
-    assert reference["complete"] and remote.meta["complete"] and remote.column("complete").all()
+    assert reference["complete"] and remote.meta.complete and remote.column("complete").all()
     torch.testing.assert_close(remote.rows(slice(None)), local.rows(slice(None)), rtol=1e-5, atol=1e-6)
     assert list(remote.column("id")) == list(local.column("id"))
     queries = local.rows([0, 2, 5]) + 0.01
@@ -82,7 +82,7 @@ def test_read_only_store_is_one_line(tmp_path, saved_model, capsys):
     shutil.make_archive(str(tmp_path / "archive"), "zip", tmp_path / "ix")
     url = f"zip://::file://{tmp_path}/archive.zip"
     archived = open_index(url)
-    assert archived.meta["complete"] and torch.equal(
+    assert archived.meta.complete and torch.equal(
         archived.rows(slice(None)), open_index(tmp_path / "ix").rows(slice(None))
     )
     argv = index_args(tmp_path, saved_model, data)

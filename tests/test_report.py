@@ -6,33 +6,54 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import ROWS, write_jsonl
+from conftest import MAPPED, ROWS, write_jsonl, write_renamed_parquet
 
 from gradian_lightning.cli import main
 
+QUERIES = [{**r, "id": f"q{i}"} for i, r in enumerate(ROWS[:2])]
 
-@pytest.fixture
-def reported(tmp_path, saved_model, capsys):
-    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    queries = write_jsonl(tmp_path / "queries.jsonl", [{**r, "id": f"q{i}"} for i, r in enumerate(ROWS[:2])])
+
+def index_query_report(folder, saved_model, capsys, data, queries, *extra):
+    """gradian index, query (with token scores) and report of `data` and `queries` into `folder`."""
     common = [
         f"model.name_or_path={saved_model}",
         f"data.train={data}",
         f"query.data={queries}",
-        f"index.path={tmp_path / 'ix'}",
-        f"query.output={tmp_path / 'results.jsonl'}",
+        f"index.path={folder / 'ix'}",
+        f"query.output={folder / 'results.jsonl'}",
         "query.top_k=3",
         "query.bottom_k=2",
         "trainer.accelerator=cpu",
         "trainer.enable_progress_bar=false",
+        *extra,
     ]
     assert main(["index", *common]) == 0
     assert main(["query", *common, "query.token_scores=true"]) == 0
     capsys.readouterr()
     assert main(["report", *common, "report.token_rows=2"]) == 0
-    assert capsys.readouterr().out.strip() == f"gradian report: written to {tmp_path / 'results.html'}"
+    assert capsys.readouterr().out.strip() == f"gradian report: written to {folder / 'results.html'}"
+    return folder / "results.html", common
+
+
+@pytest.fixture
+def reported(tmp_path, saved_model, capsys):
+    data, queries = write_jsonl(tmp_path / "train.jsonl", ROWS), write_jsonl(tmp_path / "queries.jsonl", QUERIES)
+    page, _ = index_query_report(tmp_path, saved_model, capsys, data, queries)
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    return tmp_path / "results.html", results
+    return page, results
+
+
+def test_a_parquet_file_with_renamed_columns_reports_as_its_jsonl_twin(reported, tmp_path, saved_model, capsys):
+    """report reads query.data and the indexed rows as gradian query does: any source, through the
+    data.*_field mapping; the same rows give the same page, texts and token terms included."""
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    data, queries = (write_renamed_parquet(folder / f"{n}.parquet", r) for n, r in (("train", ROWS), ("q", QUERIES)))
+    page, common = index_query_report(folder, saved_model, capsys, data, queries, *MAPPED)
+    assert page.read_text() == reported[0].read_text() and "capital of the country" in page.read_text()
+    write_renamed_parquet(data, ROWS[::-1])  # edited after indexing: its rows no longer line up with the index's
+    assert main(["report", *common]) == 2
+    assert "gradian report shows the training rows the index at" in capsys.readouterr().err
 
 
 def test_token_terms_in_the_results_sum_to_each_score(reported):

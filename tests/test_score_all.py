@@ -7,6 +7,7 @@ import torch
 from test_stored_norms import BLOCKS, D, N, reference_scores, rows_with_zeros, small_chunks, write  # noqa: F401
 
 from gradian_lightning import QuerySpec, open_index
+from gradian_lightning.query.scorer import checkpoint_scorers
 from gradian_lightning.query.topk import score_all, streaming_topk
 
 
@@ -29,7 +30,7 @@ def test_score_all_is_the_dense_score_of_the_stored_rows(tmp_path, kind, score, 
     index = open_index(tmp_path / "ix")
     queries = torch.randn(3, D, generator=torch.Generator().manual_seed(2))
     spec = QuerySpec(score=score, normalize=normalize, precondition="none")
-    got = score_all(index, queries, spec)
+    got = score_all(checkpoint_scorers(index, queries, spec))
     assert got.shape == (3, N) and got.dtype == torch.float32
     keep = [i for i in range(N) if i != 11]
     assert torch.isnan(got[:, 11]).all() and torch.isfinite(got[:, keep]).all()  # row 11 is not finite: never ranked
@@ -46,7 +47,7 @@ def test_score_all_gives_the_scores_the_top_k_ranks_under_a_preconditioner(tmp_p
     queries = torch.randn(4, D, generator=torch.Generator().manual_seed(3))
     for precondition in ("diag", "fisher"):
         spec = QuerySpec(top_k="all", precondition=precondition)
-        every = score_all(index, queries, spec)
-        top, _ = streaming_topk(index, queries, spec)
+        every = score_all(checkpoint_scorers(index, queries, spec))
+        top, _ = streaming_topk(checkpoint_scorers(index, queries, spec))
         torch.testing.assert_close(top.scores, every.gather(1, top.indices), rtol=0, atol=0)
         assert top.indices.shape[1] == int(torch.isfinite(every[0]).sum())

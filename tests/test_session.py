@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning import GradientIndexer, IndexSession, IndexSpec, open_index
 from gradian_lightning.data import JsonlDataset, collate
-from gradian_lightning.errors import GradianError
+from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.gradients.batch import GradientRows
 from gradian_lightning.gradients.capture import select_modules
 
@@ -64,9 +64,9 @@ def test_a_session_alone_writes_what_the_callback_writes(tmp_path, model, datase
     alone, lightning = open_index(tmp_path / "alone"), open_index(tmp_path / "lightning")
     torch.testing.assert_close(alone.rows(slice(None)), exact_rows(model, dataset), rtol=1e-4, atol=1e-6)
     assert torch.equal(alone.rows(slice(None)), lightning.rows(slice(None)))
-    assert alone.meta["fingerprint"] == lightning.meta["fingerprint"]
+    assert alone.meta.fingerprint == lightning.meta.fingerprint
     # The spec is stored once: no second copy for another reader to read.
-    assert alone.meta["spec"] == {**SPEC.to_meta(), "module_filter": ["down_proj", "q_proj"]}
+    assert alone.meta.spec.to_meta() == {**SPEC.to_meta(), "module_filter": ["down_proj", "q_proj"]}
     assert not {"projection", "indexer", "identity", "storage_dtype"} & set(alone.meta)
 
 
@@ -86,6 +86,25 @@ def test_calls_out_of_order_are_one_line(tmp_path, model, dataset):
         session.add(batch)
 
 
+def test_a_session_alone_names_itself_in_its_errors(tmp_path, model, dataset):
+    """Made standalone, its argument and batch errors name IndexSession, the call the user wrote."""
+    for kwargs, message in (
+        ({"rows_per_chunk": 0}, "IndexSession(rows_per_chunk=0) is not allowed; use None or an integer >= 1"),
+        ({"path": "runs/{name}"}, "IndexSession(path='runs/{name}'): the only placeholder a path may hold is {step}"),
+        ({"meta": {"when": float("nan")}}, "IndexSession(meta=...) cannot be stored in the index attributes"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            IndexSession(SPEC, **{"path": tmp_path / "ix", **kwargs})
+        assert str(err.value).startswith(message)
+    session = IndexSession(SPEC, tmp_path / "ix")
+    session.bind(model)
+    session.begin(len(dataset))
+    with pytest.raises(GradianError, match=r"^IndexSession needs dict batches with an 'index' entry"):
+        session.add({"input_ids": torch.zeros(1, 2, dtype=torch.long)})
+    with pytest.raises(ConfigError, match=r"^GradientIndexer\(rows_per_chunk=0\) is not allowed"):
+        GradientIndexer(tmp_path / "ix", rows_per_chunk=0)  # through the callback, the callback's name
+
+
 def test_an_exception_keeps_the_rows_computed_before_it_and_the_rerun_resumes(tmp_path, model, dataset):
     # One chunk holds every row, so nothing is flushed during the run: without on_exception -> abort(),
     # the rows of the batches before the failure would be lost with the writer's buffer.
@@ -98,5 +117,5 @@ def test_an_exception_keeps_the_rows_computed_before_it_and_the_rerun_resumes(tm
     validate(tmp_path, indexer, model, dataset)  # the same process: the aborted writer let go of its lock
     assert indexer.summary["kept_rows"] == 4 and indexer.summary["computed_rows"] == len(dataset) - 4
     index = open_index(tmp_path / "ix")
-    assert index.meta["complete"]
+    assert index.meta.complete
     torch.testing.assert_close(index.rows(slice(None)), exact_rows(model, dataset), rtol=1e-4, atol=1e-6)

@@ -28,7 +28,7 @@ def test_index_and_query_smollm2_down_proj(tmp_path, capsys):
     assert main(argv) == 0, capsys.readouterr().err
     index = open_index(tmp_path / "ix")
     rows = index.rows(slice(None)).numpy()
-    assert rows.shape == (16, 30 * 16 * 16) and index.meta["complete"]
+    assert rows.shape == (16, 30 * 16 * 16) and index.meta.complete
     assert np.isfinite(rows).all() and (np.abs(rows).sum(axis=1) > 0).all()
     assert (index.column("supervised_tokens") > 0).all() and index.column("finite").all()
 

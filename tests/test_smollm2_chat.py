@@ -64,7 +64,7 @@ def test_index_and_query_chat_rows_with_the_cli(tmp_path, capsys):
     assert main(argv) == 0, capsys.readouterr().err
     index = open_index(tmp_path / "ix")
     train = read_jsonl(TRAIN)
-    assert index.meta["complete"] and len(index) == len(train) and index.column("finite").all()
+    assert index.meta.complete and len(index) == len(train) and index.column("finite").all()
     assert np.isfinite(index.rows(slice(None)).numpy()).all()
     # supervised tokens per row = the assistant turns' tokens, counted from the template's spans
     tokenizer = AutoTokenizer.from_pretrained(model)

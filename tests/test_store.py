@@ -104,7 +104,7 @@ def test_killed_run_resumes_and_is_never_marked_complete_early(tmp_path):
     write(first, range(6), grads, loss)  # chunk 0 (rows 0-3) is flushed; rows 4-5 are still buffered
     del first  # killed: no close()
     meta = layout.read_meta(tmp_path / "ix")
-    assert meta["complete"] is False
+    assert meta.complete is False
     again = IndexWriter(tmp_path / "ix", N, D, "float32", META)
     assert np.flatnonzero(again.todo).tolist() == [4, 5, 6, 7, 8, 9]
     write(again, range(N), grads, loss)
@@ -131,14 +131,14 @@ def test_other_index_or_foreign_directory_is_not_replaced_silently(tmp_path):
     writer.close()
     with pytest.raises(ConfigError, match="another configuration.*index.overwrite=true"):
         IndexWriter(tmp_path / "ix", N, D, "float32", {"fingerprint": "other", "global_step": 0})
-    assert open_index(tmp_path / "ix").meta["complete"]  # untouched
+    assert open_index(tmp_path / "ix").meta.complete  # untouched
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="not a Gradian index"):
         IndexWriter(tmp_path / "mine", N, D, "float32", META)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     IndexWriter(tmp_path / "ix", N, D, "float32", {"fingerprint": "other", "global_step": 0}, overwrite=True)
-    assert not open_index(tmp_path / "ix").meta["complete"]
+    assert not open_index(tmp_path / "ix").meta.complete
 
 
 def test_same_job_at_a_later_step_replaces_the_index(tmp_path):
@@ -153,7 +153,7 @@ def test_same_job_at_a_later_step_replaces_the_index(tmp_path):
     write(later, range(N), 2 * grads, loss)
     later.close()
     again = open_index(tmp_path / "ix")
-    assert again.meta["global_step"] == 5 and torch.equal(again.rows(slice(None)), 2 * grads)
+    assert again.meta.global_step == 5 and torch.equal(again.rows(slice(None)), 2 * grads)
 
 
 def test_not_an_index_or_wrong_version(tmp_path):

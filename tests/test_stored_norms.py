@@ -10,6 +10,8 @@ from gradian_lightning import open_index
 from gradian_lightning.index import layout
 from gradian_lightning.index.layout import NORMS
 from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query.scorer import Scorer
+from gradian_lightning.specs import QuerySpec
 
 N, D = 23, 8
 META = {"fingerprint": "t", "global_step": 0}
@@ -57,13 +59,6 @@ def reference_scores(queries, stored, blocks):
     return np.mean(cosines, axis=0)
 
 
-def without_norms(path):
-    """The index at `path` as a gradian before stored norms wrote it: the same arrays, no `norms`."""
-    group = zarr.open_group(str(path), mode="r+")
-    del group[NORMS]
-    return open_index(path)
-
-
 @pytest.mark.parametrize("kind", list(BLOCKS))
 def test_stored_norms_score_exactly_like_computed_ones_and_like_float64(tmp_path, kind):
     blocks = BLOCKS[kind]
@@ -88,26 +83,21 @@ def test_stored_norms_score_exactly_like_computed_ones_and_like_float64(tmp_path
     np.testing.assert_allclose(
         top.scores.numpy(), np.take_along_axis(want, top.indices.numpy(), axis=1), rtol=1e-5, atol=1e-6
     )
-    # The same index without its stored norms (as written before they existed) computes them: same bits, same ranking.
-    old_top = without_norms(tmp_path / "ix").topk(queries, N, bottom_k=N, precondition="none")
-    old_bottom = old_top.opponents
-    assert torch.equal(old_top.indices, top.indices) and torch.equal(old_top.scores, top.scores)
-    assert torch.equal(old_bottom.indices, bottom.indices) and torch.equal(old_bottom.scores, bottom.scores)
+    # Norms computed from the decoded chunk give the very bits the stored ones give.
+    scorer = Scorer(index, QuerySpec(precondition="none")).prepare(queries)
+    assert torch.equal(scorer.score(index.rows(slice(None)), 0, N), scorer.score(index.rows(slice(None))))
 
 
 def test_preconditioned_scores_do_not_use_the_raw_rows_norms(tmp_path):
     # diag/fisher change each block's norm: the stored norms of the raw rows must not be used there.
     grads = rows_with_zeros()
-    for name in ("ix", "old"):
-        write(tmp_path / name, grads, BLOCKS["equal"]).close()
-    old = without_norms(tmp_path / "old")  # its norms come from the preconditioned rows
+    write(tmp_path / "ix", grads, BLOCKS["equal"]).close()
+    index = open_index(tmp_path / "ix")
     queries = torch.randn(3, D, generator=torch.Generator().manual_seed(2))
-    for precondition in ("diag", "fisher"):
-        got, want = (
-            open_index(tmp_path / "ix").topk(queries, 10, precondition=precondition),
-            old.topk(queries, 10, precondition=precondition),
-        )
-        assert torch.equal(got.indices, want.indices) and torch.equal(got.scores, want.scores)
+    for precondition in ("diag", "fisher", "ekfac"):
+        scorer = Scorer(index, QuerySpec(precondition=precondition, damping=0.5)).prepare(queries)
+        # with lo, hi the scorer may read norms from the index; without, it computes those of the rows it compares
+        assert torch.equal(scorer.score(index.rows(slice(None)), 0, N), scorer.score(index.rows(slice(None))))
 
 
 def test_killed_run_resumes_with_norms_of_every_complete_row(tmp_path):
@@ -131,7 +121,7 @@ def test_killed_run_resumes_with_norms_of_every_complete_row(tmp_path):
     )
     assert again.kept_rows == 10 and again.close()
     index = open_index(tmp_path / "ix")
-    assert torch.equal(index.stored_norms(0, N), layout.module_norms(index.rows(slice(None)), index.meta["modules"]))
+    assert torch.equal(index.stored_norms(0, N), layout.module_norms(index.rows(slice(None)), index.meta.blocks))
 
 
 def test_a_crash_between_data_and_flags_leaves_no_complete_row_without_norms(tmp_path, monkeypatch):
@@ -152,24 +142,6 @@ def test_a_crash_between_data_and_flags_leaves_no_complete_row_without_norms(tmp
     assert "grads" in written and NORMS in written
     group = zarr.open_group(str(tmp_path / "ix"), mode="r")
     assert np.flatnonzero(group["complete"][:]).tolist() == list(range(5))
-
-
-def test_an_index_begun_without_norms_is_resumed_without_them(tmp_path):
-    # A run begun by a gradian that stored no norms and resumed by this one: no half-filled norms array.
-    blocks = BLOCKS["equal"]
-    grads = rows_with_zeros()
-    meta = {**META, "modules": [{"name": f"m{i}", "offset": o, "size": s} for i, (o, s) in enumerate(blocks)]}
-    write(tmp_path / "ix", grads, blocks, order=range(10))  # killed: no close()
-    without_norms(tmp_path / "ix")
-    again = write(tmp_path / "ix", grads, blocks, writer=IndexWriter(tmp_path / "ix", N, D, "float16", meta))
-    assert again.close()
-    index = open_index(tmp_path / "ix")
-    assert index.stored_norms(0, N) is None
-    full = tmp_path / "full"
-    write(full, grads, blocks).close()
-    queries = torch.randn(2, D, generator=torch.Generator().manual_seed(3))
-    got, want = index.topk(queries, N, precondition="none"), open_index(full).topk(queries, N, precondition="none")
-    assert torch.equal(got.indices, want.indices) and torch.equal(got.scores, want.scores)
 
 
 @pytest.mark.parametrize("read_bytes", [1, 4 * 2**20])
@@ -193,7 +165,7 @@ def test_norms_and_flags_read_in_blocks_line_up_with_their_rows(tmp_path, monkey
     writer.write(range(n), grads, torch.zeros(n), supervised, torch.zeros(n), [str(i) for i in range(n)])
     assert writer.close()
     index = open_index(tmp_path / "ix")
-    want = layout.module_norms(index.rows(slice(None)), index.meta["modules"])
+    want = layout.module_norms(index.rows(slice(None)), index.meta.blocks)
     for lo, hi in [(0, 1000), (4000, 5000), (8000, 9000), (3500, 4600)]:
         assert torch.equal(index.stored_norms(lo, hi), want[lo:hi])
         np.testing.assert_array_equal(index.rankable(lo, hi), supervised[lo:hi].numpy() > 0)

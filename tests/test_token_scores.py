@@ -12,6 +12,7 @@ from gradian_lightning.cli import main
 from gradian_lightning.data import IGNORE_INDEX, JsonlDataset, collate
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.query.rows import index_gradient_rows, query_gradients
+from gradian_lightning.query.scorer import Scorer
 from gradian_lightning.query.token_scores import query_token_scores, token_rows
 from gradian_lightning.query.topk import open_index
 from gradian_lightning.specs import QuerySpec
@@ -76,7 +77,8 @@ def test_token_terms_sum_to_the_rows_ranked_score(indexed, score, normalize, pre
     top = index.topk(query_row, k=len(ROWS), score=score, normalize=normalize, precondition=precondition)
     ranked = dict(zip(top.indices[0].tolist(), top.scores[0].tolist()))
     spec = QuerySpec(score=score, normalize=normalize, precondition=precondition)
-    explained = query_token_scores(index, model, tokenizer, query, ROWS[1:4], spec, query_row=query_row[0])
+    scorer = Scorer(index, spec, shortcut=False).prepare(query_row)
+    explained = query_token_scores(scorer, model, tokenizer, ROWS[1:4])
     for position, entry in zip(range(1, 4), explained):
         terms = [t for t in entry["terms"] if t is not None]
         assert len(terms) == sum(entry["supervised"]) and sum(terms) == pytest.approx(entry["score"], abs=1e-9)

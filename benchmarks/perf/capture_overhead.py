@@ -32,12 +32,14 @@ from typing import Any, Dict, List
 
 from benchmarks.common import (
     RESULTS_DIR,
+    batch_clock,
     emit,
     fmt_bytes,
     load_model,
     peak_rss_bytes,
     pyplot,
     run_child,
+    steady_step_s,
     synthetic_examples,
     write_result,
 )
@@ -127,12 +129,8 @@ def child(args: argparse.Namespace) -> None:
                 rows_per_chunk=2 * args.batch_size,
             )
 
-            class BatchStarts(L.Callback):
-                def on_validation_batch_start(self, *args: Any) -> None:
-                    starts.append(time.perf_counter())
-
             trainer = L.Trainer(
-                callbacks=[BatchStarts(), indexer],
+                callbacks=[batch_clock(starts), indexer],
                 accelerator="cpu",
                 devices=1,
                 logger=False,
@@ -146,9 +144,7 @@ def child(args: argparse.Namespace) -> None:
             trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
             assert indexer.summary and indexer.summary["complete"], indexer.summary
     loop = time.perf_counter() - start
-    # Batches 1 .. n-2: not the first (it pages the weights in, and Lightning sets up before it)
-    # nor the last (the index is closed after it), so per token this is what each further batch costs.
-    steady = (starts[-1] - starts[1]) / (len(starts) - 2) if len(starts) > 2 else loop / len(batches)
+    steady = steady_step_s(starts, loop, len(batches))
     emit({"variant": args.variant, "loop_s": loop, "step_s": steady, "tokens": tokens, "peak_rss": peak_rss_bytes()})
 
 

@@ -48,6 +48,7 @@ def main() -> None:
     from distributed import Client, LocalCluster
 
     from gradian_lightning.query.dask_engine import dask_topk
+    from gradian_lightning.query.scorer import Scorer
     from gradian_lightning.query.topk import streaming_topk
     from gradian_lightning.specs import QuerySpec
 
@@ -65,8 +66,8 @@ def main() -> None:
         cluster_start = time.perf_counter() - start
         try:
             spec = QuerySpec(top_k=10, bottom_k=10, score="cosine", precondition="none")  # as measured in RESULTS.md
-            local = lambda: streaming_topk(index, queries, spec)  # noqa: E731
-            dask = lambda: dask_topk(index, queries, spec, client=client)  # noqa: E731
+            local = lambda: streaming_topk([Scorer(index, spec).prepare(queries)])  # noqa: E731
+            dask = lambda: dask_topk(Scorer(index, spec).prepare(queries), client=client)  # noqa: E731
             local()  # warm the page cache
             start = time.perf_counter()
             first = dask()  # the workers import torch and gradian and open the store

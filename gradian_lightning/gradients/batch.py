@@ -99,12 +99,11 @@ class GradientRows:
     def describe(self, name_or_path: Optional[str] = None) -> Dict[str, Any]:
         """What an index records of how its rows were made: the model (class, name, vocabulary,
         dtype and weights digest, which a query's model must match: query/rows.py), the row layout
-        ("modules", "width") and the loss."""
+        ("modules": the width is their sum) and the loss."""
         return {
             "model": {**describe_model(self.model, name_or_path), "weights_sha256": weights_digest(self.model)},
             "modules": self.projector.describe(),
             "loss": {"kind": LOSS_KIND, "dtype": "float32"},
-            "width": self.projector.width,
         }
 
     def __call__(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -50,6 +50,33 @@ class ModuleBlock:
     @property
     def size(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def to_entry(self) -> Dict[str, object]:
+        """This block as plain data, for the index attribute "modules". A Conv1D's block adds
+        `"transposed": true` (laid out [in, out]); an nn.Linear's has no such key."""
+        return {
+            "name": self.name,
+            "out_features": self.out_features,
+            "in_features": self.in_features,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "size": self.size,
+            **({"transposed": True} if self.transposed else {}),
+        }
+
+    @classmethod
+    def from_entry(cls, entry: Dict[str, Any]) -> "ModuleBlock":
+        """The block `to_entry` wrote. A layout given to `IndexWriter` by hand may name only each
+        block's "offset" and "size" (and "name"): such a block is one flat [1, size] block."""
+        shape = entry.get("shape") or (1, entry["size"])
+        return cls(
+            entry.get("name", f"block@{entry['offset']}"),
+            int(entry.get("out_features", shape[0])),
+            int(entry.get("in_features", shape[1])),
+            (int(shape[0]), int(shape[1])),
+            int(entry["offset"]),
+            bool(entry.get("transposed", False)),
+        )
 
 
 class KroneckerProjector:
@@ -159,18 +186,5 @@ class KroneckerProjector:
         return torch.cat(out, dim=1)
 
     def describe(self) -> List[Dict[str, object]]:
-        """The row layout as plain data, for the index attributes. A Conv1D's block adds
-        `"transposed": true` (laid out [in, out]); an nn.Linear's has no such key, so the layouts
-        of indexes written before Conv1D was supported read as they were written."""
-        return [
-            {
-                "name": b.name,
-                "out_features": b.out_features,
-                "in_features": b.in_features,
-                "shape": list(b.shape),
-                "offset": b.offset,
-                "size": b.size,
-                **({"transposed": True} if b.transposed else {}),
-            }
-            for b in self.blocks
-        ]
+        """The row layout as plain data, for the index attributes (`ModuleBlock.to_entry`)."""
+        return [b.to_entry() for b in self.blocks]

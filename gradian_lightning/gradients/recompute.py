@@ -10,9 +10,8 @@
 Why `mlp` is the default: an MLP block keeps more than half of a Llama layer's activations (its
 gate and up outputs, 1,536 wide against the 576 of SmolLM2's hidden state, and their product), and
 re-running it costs its gate and up matmuls only (the down projection's output is saved by
-nothing, so the recomputation stops before it). On SmolLM2 (down_proj) the defaults take
-0.58x the plain step's peak RSS at 0.67-0.74x its whole-process time, against 0.63-0.64x /
-0.64-0.65x keeping everything and 0.55x / 0.71-0.81x recomputing whole layers (benchmarks/RESULTS.md §1).
+nothing, so the recomputation stops before it). Its peak memory and time beside keeping everything
+and recomputing whole layers: benchmarks/RESULTS.md §1.
 The model is not changed: each unit's `forward` is wrapped on the instance for the duration of
 the context and restored after. Units that another wrapper already manages (FSDP units,
 activation checkpointing, sharded DTensor parameters) are left as they are, and a model without

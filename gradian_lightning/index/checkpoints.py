@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gradian_lightning.errors import ConfigError
-from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, identity, stored_meta
+from gradian_lightning.index.layout import ATTRIBUTE, FORMAT_VERSION, IndexMeta, identity, stored_meta
 from gradian_lightning.index.location import Location
 
 GROUP = "checkpoints"
@@ -29,17 +29,17 @@ def checkpoint_group(step: int) -> str:
     return f"{GROUP}/step-{int(step)}"
 
 
-def checkpoint_entries(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
+def checkpoint_entries(meta: IndexMeta) -> List[Dict[str, Any]]:
     """The checkpoints of an index, oldest first; a one-checkpoint index is one entry with group ""."""
-    if "checkpoints" in meta:
-        return [dict(e) for e in meta["checkpoints"]]
+    if meta.checkpoints:
+        return [dict(e) for e in meta.checkpoints]
     return [
         {
-            "step": int(meta.get("global_step") or 0),
-            "lr": meta.get("lr"),
+            "step": meta.global_step or 0,
+            "lr": meta.lr,
             "group": "",
-            "complete": bool(meta.get("complete")),
-            "weights_sha256": (meta.get("model") or {}).get("weights_sha256"),
+            "complete": meta.complete,
+            "weights_sha256": meta.model.get("weights_sha256"),
         }
     ]
 
@@ -93,9 +93,9 @@ def register_checkpoint(
 
 def _rows_layout(meta: Dict[str, Any]) -> Tuple[Any, ...]:
     # What every checkpoint of one index shares: its identity but the model's name, which may
-    # differ (a base and its fine-tune), and the row count and width.
+    # differ (a base and its fine-tune), and the row count.
     shared = {k: v for k, v in identity(meta).items() if k != "model"}
-    return tuple(json.dumps(v, sort_keys=True, default=str) for v in (shared, meta.get("num_rows"), meta.get("width")))
+    return tuple(json.dumps(v, sort_keys=True, default=str) for v in (shared, meta.get("num_rows")))
 
 
 def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tuple[Dict[str, Any], float]]:

@@ -20,11 +20,13 @@
       statistics/                    second moments of the counted rows, written on close (statistics.py)
 
 Row i is dataset position i, whatever order rows arrive in. Metadata attribute "gradian" holds
-`format_version`, `complete` (every row written), `num_rows`, `width`, `spec` (the `IndexSpec`
-the rows were made with, specs.py: module filter, projection dim and seed, storage dtype, ...),
-`fingerprint` (a hash of `identity(meta)` and num_rows: what must match to resume), `global_step`,
-and what the writer was given: the module layout, model, data, package versions and the CLI's
-config (its `grads` section without the spec's keys).
+`format_version`, `complete` (every row written), `num_rows`, `modules` (the module blocks that
+tile a row: name, shape, offset, size; the row width is their sum, stored nowhere else), `spec`
+(the `IndexSpec` the rows were made with, specs.py: module filter, projection dim and seed,
+storage dtype, ...), `fingerprint` (a hash of `identity(meta)` and num_rows: what must match to
+resume), `global_step`, and what the writer was given: model, data, package versions and the
+CLI's config (its `grads` section without the spec's keys). `IndexMeta` is that attribute read
+once, typed: every reader uses it.
 
 Readable with plain zarr: `zarr.open_group(path)["grads"][:10]`. `index.path` may be an fsspec URL
 (s3://, gs://, file://, memory://): `location.py` opens it.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -42,10 +45,13 @@ import torch
 import zarr
 
 from gradian_lightning.errors import IndexFormatError
+from gradian_lightning.gradients.projection import ModuleBlock
 from gradian_lightning.index.location import Location
 from gradian_lightning.specs import IndexSpec
 
-FORMAT_VERSION = 1
+# 2: the width is the sum of the module blocks (an index written by IndexWriter alone has one,
+# "row"), and every index stores its rows' per-module norms. Version 1 indexes are refused.
+FORMAT_VERSION = 2
 ATTRIBUTE = "gradian"
 # Target size of one grads chunk, uncompressed. 4 MiB keeps a chunk and its float32 upcast in cache
 # while a query scores it: 2x the streaming top-k throughput of 16 MiB (benchmarks/RESULTS.md §5).
@@ -74,18 +80,18 @@ def has_member(group: zarr.Group, name: str, kind: type) -> bool:
 
 
 def encode(
-    rows: torch.Tensor, storage_dtype: str, blocks: Sequence[Dict[str, Any]] = ()
+    rows: torch.Tensor, storage_dtype: str, blocks: Sequence[ModuleBlock] = ()
 ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """float32 rows [b, D] -> (numpy array [b, D] in the storage encoding, scales float32 [b, M] or None).
 
-    int8 rounds each module block ({"offset", "size"}, `module_blocks`) to 255 levels of its own
+    int8 rounds each module block (`IndexMeta.blocks`) to 255 levels of its own
     max |value|: one scale a block, since modules' gradients differ by orders of magnitude (no
     `blocks`: the row is one block). The other dtypes have no scales.
     """
     rows = rows.detach().cpu().float()
     if storage_dtype == "int8":
         blocks = _blocks_or_row(blocks, rows.shape[1])
-        largest = [rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])].abs().amax(dim=1) for b in blocks]
+        largest = [rows[:, b.offset : b.offset + b.size].abs().amax(dim=1) for b in blocks]
         scales = torch.stack(largest, dim=1) / INT8_MAX  # [b, M]
         step = _per_column(scales.clamp_min(torch.finfo(torch.float32).tiny), blocks)
         return torch.round(rows / step).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).numpy(), scales.numpy()
@@ -99,7 +105,7 @@ def decode(
     storage_dtype: str,
     out: Optional[torch.Tensor] = None,
     scales: Optional[np.ndarray | torch.Tensor] = None,
-    blocks: Sequence[Dict[str, Any]] = (),
+    blocks: Sequence[ModuleBlock] = (),
 ) -> torch.Tensor:
     """Stored rows [b, D] -> float32 tensor [b, D]; into `out` (float32 [b, D], reused) when given.
     int8 rows need their `scales` [b, M] and the `blocks` they were encoded with."""
@@ -126,39 +132,38 @@ def decode(
     return rows
 
 
-def round_trip(rows: torch.Tensor, storage_dtype: str, blocks: Sequence[Dict[str, Any]] = ()) -> torch.Tensor:
+def round_trip(rows: torch.Tensor, storage_dtype: str, blocks: Sequence[ModuleBlock] = ()) -> torch.Tensor:
     """float32 rows [b, D] as a reader gets them back after they were stored as `storage_dtype`."""
     stored, scales = encode(rows, storage_dtype, blocks)
     return decode(stored, storage_dtype, scales=scales, blocks=blocks)
 
 
-def _blocks_or_row(blocks: Sequence[Dict[str, Any]], width: int) -> Sequence[Dict[str, Any]]:
-    # Rows written without a module layout are one block: the row.
-    return blocks or [{"offset": 0, "size": width}]
+def _blocks_or_row(blocks: Sequence[ModuleBlock], width: int) -> Sequence[ModuleBlock]:
+    # Rows encoded without a module layout are one block: the row.
+    return blocks or [row_block(width)]
 
 
-def _per_column(scales: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
+def _per_column(scales: torch.Tensor, blocks: Sequence[ModuleBlock]) -> torch.Tensor:
     # [b, M] -> [b, D]: each block's scale repeated over its columns.
-    return torch.repeat_interleave(scales, torch.tensor([int(b["size"]) for b in blocks]), dim=1)
+    return torch.repeat_interleave(scales, torch.tensor([b.size for b in blocks]), dim=1)
 
 
-def equal_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[int]:
+def row_block(width: int) -> ModuleBlock:
+    """The one block of rows written by `IndexWriter` alone, without a module layout: the row."""
+    return ModuleBlock("row", 1, width, (1, width), 0)
+
+
+def equal_block_size(blocks: Sequence[ModuleBlock], width: int) -> Optional[int]:
     """The common size s of module blocks that tile a row of `width` in equal parts (projected
     rows: s = k²), so that rows can be viewed as [n, M, s]; None otherwise (exact rows)."""
-    sizes = {int(b["size"]) for b in blocks}
-    if len(sizes) == 1 and sum(int(b["size"]) for b in blocks) == width:
+    sizes = {b.size for b in blocks}
+    if len(sizes) == 1 and sum(b.size for b in blocks) == width:
         return sizes.pop()
     return None
 
 
-def module_blocks(meta: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The module blocks ({"name", "offset", "size", ...}) that tile an index's rows, from its
-    metadata; an index written by `IndexWriter` alone, without a module layout, is one block: the row."""
-    return list(meta.get("modules") or [{"name": "row", "offset": 0, "size": int(meta["width"])}])
-
-
-def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.Tensor:
-    """float32 [n, M]: the L2 norm of each module block ({"offset", "size"}) of float32 `rows` [n, D].
+def module_norms(rows: torch.Tensor, blocks: Sequence[ModuleBlock]) -> torch.Tensor:
+    """float32 [n, M]: the L2 norm of each module block of float32 `rows` [n, D].
 
     The writer stores these for the stored (decoded) rows; a reader of an index without them
     computes them with this same function, so both give the same bits.
@@ -166,22 +171,9 @@ def module_norms(rows: torch.Tensor, blocks: Sequence[Dict[str, Any]]) -> torch.
     if equal_block_size(blocks, rows.shape[1]) is not None:  # projected: one norm over a [n, M, k²] view
         return torch.linalg.vector_norm(rows.view(rows.shape[0], len(blocks), -1), dim=2)
     return torch.stack(
-        [
-            torch.linalg.vector_norm(rows[:, int(b["offset"]) : int(b["offset"]) + int(b["size"])], dim=1)
-            for b in blocks
-        ],
+        [torch.linalg.vector_norm(rows[:, b.offset : b.offset + b.size], dim=1) for b in blocks],
         dim=1,
     )
-
-
-def storage_dtype_of(meta: Dict[str, Any]) -> str:
-    """The dtype the rows of an index with metadata `meta` are stored in."""
-    return meta["spec"]["storage_dtype"]
-
-
-def stored_spec(meta: Dict[str, Any]) -> IndexSpec:
-    """The `IndexSpec` an index's rows were made with, from its metadata."""
-    return IndexSpec(**meta["spec"])
 
 
 def identity(meta: Dict[str, Any]) -> Dict[str, Any]:
@@ -191,7 +183,7 @@ def identity(meta: Dict[str, Any]) -> Dict[str, Any]:
     return {  # KeyError for the metadata of an index written by IndexWriter alone: it has no model
         "model": meta["model"].get("name_or_path"),
         "modules": meta["modules"],
-        **stored_spec(meta).rows_identity(),
+        **IndexSpec(**meta["spec"]).rows_identity(),
         "data": meta.get("data"),
     }
 
@@ -230,19 +222,87 @@ def stored_meta(path: str | Path | Location) -> Optional[Dict[str, Any]]:
     return dict(meta) if meta is not None else None
 
 
-def read_meta(path: str | Path | Location) -> Dict[str, Any]:
-    """The "gradian" attribute of the index at `path` (a local path or a URL); `IndexFormatError` if it is not an index."""
+@dataclass(frozen=True)
+class IndexMeta:
+    """What an index (one checkpoint of it) holds: its "gradian" attribute, read and typed once.
+
+    `blocks` tile each row (the width is their sum); `spec` is the `IndexSpec` the rows were made
+    with; `model` {"name_or_path", "class", "vocab_size", "dtype", "weights_sha256"} and `data`
+    {"path", "sha256", "max_seq_length", ...} are what the writer was given (empty for an index
+    written by `IndexWriter` alone); `checkpoints` the entries of a checkpointed index
+    (index/checkpoints.py), else empty; `segments` the appended runs (index.append), else empty.
+    `attrs` is the attribute as stored, for writers that update it.
+    """
+
+    attrs: Dict[str, Any] = field(repr=False)
+    num_rows: int
+    complete: bool
+    blocks: Tuple[ModuleBlock, ...]
+    spec: IndexSpec
+    model: Dict[str, Any]
+    data: Dict[str, Any]
+    global_step: Optional[int]
+    lr: Optional[float]
+    fingerprint: Optional[str]
+    loss_kind: Optional[str]
+    checkpoints: Tuple[Dict[str, Any], ...]
+    segments: Tuple[Dict[str, Any], ...]
+
+    @classmethod
+    def from_attrs(cls, attrs: Dict[str, Any], where: str = "the index") -> "IndexMeta":
+        """Type the "gradian" attribute `attrs`; `IndexFormatError` naming `where` for another format version."""
+        version = attrs.get("format_version")
+        if version != FORMAT_VERSION:
+            raise IndexFormatError(
+                f"{where} is a Gradian index of format version {version}, this gradian reads version {FORMAT_VERSION}; rebuild it with `gradian index` or install the gradian release that wrote it"
+            )
+        step = attrs.get("global_step")
+        return cls(
+            attrs=dict(attrs),
+            num_rows=int(attrs["num_rows"]),
+            complete=bool(attrs.get("complete")),
+            blocks=tuple(ModuleBlock.from_entry(e) for e in attrs["modules"]),
+            spec=IndexSpec(**attrs["spec"]),
+            model=dict(attrs.get("model") or {}),
+            data=dict(attrs.get("data") or {}),
+            global_step=None if step is None else int(step),
+            lr=attrs.get("lr"),
+            fingerprint=attrs.get("fingerprint"),
+            loss_kind=(attrs.get("loss") or {}).get("kind"),
+            checkpoints=tuple(dict(e) for e in attrs.get("checkpoints") or ()),
+            segments=tuple(dict(e) for e in attrs.get("segments") or ()),
+        )
+
+    @property
+    def width(self) -> int:
+        """Values in a row: the sum of the module blocks' sizes."""
+        return sum(b.size for b in self.blocks)
+
+    @property
+    def storage_dtype(self) -> str:
+        return self.spec.storage_dtype
+
+    def data_segments(self) -> List[Dict[str, Any]]:
+        """The sources of the rows, oldest first: {"data" (its `data_sources.describe_source`
+        record), "offset" (its first row), "rows", "fingerprint" (of the run that wrote them)}; one
+        for an index that was never appended to (index.append)."""
+        first = {"data": self.data, "offset": 0, "rows": self.num_rows, "fingerprint": self.fingerprint}
+        return [dict(s) for s in self.segments] or [first]
+
+    @property
+    def max_seq_length(self) -> Optional[int]:
+        """The max_seq_length the rows were tokenized with, when the writer was told (from a config)."""
+        return self.data.get("max_seq_length")
+
+
+def read_meta(path: str | Path | Location) -> IndexMeta:
+    """The metadata of the index at `path` (a local path or a URL); `IndexFormatError` if it is not an index."""
     path = path if isinstance(path, Location) else Location(path)
     try:
         group = path.open_group("r")
-        meta = dict(group.attrs[ATTRIBUTE])
+        attrs = dict(group.attrs[ATTRIBUTE])
     except Exception:
         raise IndexFormatError(
             f"{str(path)!r} is not a Gradian index (no zarr group with a '{ATTRIBUTE}' attribute); point index.path at one written by `gradian index`"
         ) from None
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        raise IndexFormatError(
-            f"{str(path)!r} is a Gradian index of format version {version}, this gradian reads version {FORMAT_VERSION}; rebuild it with `gradian index` or install the gradian release that wrote it"
-        )
-    return meta
+    return IndexMeta.from_attrs(attrs, repr(str(path)))

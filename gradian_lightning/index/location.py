@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Tuple
 
@@ -186,7 +187,9 @@ class Location:
         return handle
 
     def check_creatable(self) -> None:
-        """`ConfigError` when a local index.path is a file, or lies under one: no folder can be made there."""
+        """`ConfigError` when a local index.path is a file, or lies under one, or its nearest existing
+        folder takes no new entry (no permission, a read-only or virtual filesystem such as /proc):
+        no index can be written there. Found before any model loads; leaves nothing behind."""
         if self.local is None:
             return
         for place in (self.local, *self.local.parents):
@@ -196,7 +199,18 @@ class Location:
                     raise ConfigError(
                         f"setting 'index.path'={self.text!r} {what}; an index is a folder: point index.path at a new or existing folder"
                     )
+                self._probe(place)
                 return
+
+    def _probe(self, folder: Path) -> None:
+        """Make and remove an empty folder in `folder`: permission bits and os.access cannot tell
+        (root passes them; /proc and read-only mounts refuse only the write itself)."""
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".gradian-probe-", dir=folder))
+        except OSError as err:
+            raise ConfigError(
+                f"setting 'index.path'={self.text!r} cannot be created ({type(err).__name__}: {err.strerror or err}); point index.path at a folder you can write"
+            ) from None
 
     def unlock(self, handle: IO[str], refused: bool) -> None:
         """Release `writer_lock`'s lock; after a refusal (`refused`), also remove the lock file and

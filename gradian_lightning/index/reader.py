@@ -14,16 +14,7 @@ import zarr
 
 from gradian_lightning.errors import IndexFormatError
 from gradian_lightning.index.checkpoints import checkpoint_entries
-from gradian_lightning.index.layout import (
-    ATTRIBUTE,
-    NORMS,
-    SCALES,
-    decode,
-    has_member,
-    module_blocks,
-    read_meta,
-    storage_dtype_of,
-)
+from gradian_lightning.index.layout import ATTRIBUTE, NORMS, SCALES, IndexMeta, decode, has_member, read_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
     STATISTICS_GROUP,
@@ -38,7 +29,7 @@ METADATA_READ_BYTES = 4 * 2**20
 
 
 class IndexReader:
-    """Read access to an index: its metadata, per-row arrays and rows decoded to float32.
+    """Read access to an index: its metadata (`meta`, an `IndexMeta`), per-row arrays and rows decoded to float32.
 
     `gradian_lightning.open_index(path)` returns an `Index` (query/topk.py) that holds one and ranks its rows.
     """
@@ -62,19 +53,18 @@ class IndexReader:
         self.step = int(entry["step"])
         if entry["group"]:
             self.group = self.group[entry["group"]]
-            self.meta = {**dict(self.group.attrs[ATTRIBUTE]), "checkpoints": self.checkpoints}
+            attrs = {**dict(self.group.attrs[ATTRIBUTE]), "checkpoints": list(self.checkpoints)}
+            self.meta = IndexMeta.from_attrs(attrs, repr(str(self.path)))
         self.grads = self.group["grads"]
-        self.storage_dtype = storage_dtype_of(self.meta)
+        self.storage_dtype = self.meta.storage_dtype
         self._mask: Tuple[int, np.ndarray] = (0, np.zeros(0, dtype=bool))  # cached block for `rankable`
-        self._norms_array = (
-            self.group[NORMS] if has_member(self.group, NORMS, zarr.Array) else None
-        )  # absent in older indexes
+        self._norms_array = self.group[NORMS]
         self._scales_array = self.group.get(SCALES) if self.storage_dtype == "int8" else None
         if self.storage_dtype == "int8" and not isinstance(self._scales_array, zarr.Array):
             raise IndexFormatError(
                 f"{str(self.path)!r} stores int8 rows without their per-module scales (the index's 'scales' array); rebuild the index with `gradian index`"
             )
-        self.module_blocks = module_blocks(self.meta)
+        self.module_blocks = self.meta.blocks
         self._blocks: Dict[str, Tuple[int, torch.Tensor]] = {}  # name -> (first row, cached rows) for `_per_row`
         stats = self.group[STATISTICS_GROUP] if has_member(self.group, STATISTICS_GROUP, zarr.Group) else None
         # The damping the stored whitened norms are for; None when there are none (or a close was killed before it said so).
@@ -82,7 +72,7 @@ class IndexReader:
         self._whitened_array = stats[WHITENED_NORMS] if self.whitened_damping is not None else None
 
     def __len__(self) -> int:
-        return int(self.meta["num_rows"])
+        return self.meta.num_rows
 
     def column(self, name: str, indices: Optional[Sequence[int]] = None) -> np.ndarray:
         """A per-row array (id, loss, supervised_tokens, truncated_tokens, finite, complete), whole or at `indices`."""
@@ -120,10 +110,10 @@ class IndexReader:
             self._blocks[name] = (start, block)
         return block[lo - start : hi - start]
 
-    def stored_norms(self, lo: int, hi: int) -> Optional[torch.Tensor]:
+    def stored_norms(self, lo: int, hi: int) -> torch.Tensor:
         """float32 [hi - lo, M]: the per-module L2 norms of rows lo..hi-1 as the writer stored them
-        (`layout.module_norms` of the decoded rows), or None for an index written before they were stored."""
-        return None if self._norms_array is None else self._per_row(NORMS, self._norms_array, lo, hi)
+        (`layout.module_norms` of the decoded rows)."""
+        return self._per_row(NORMS, self._norms_array, lo, hi)
 
     def whitened_norms(self, lo: int, hi: int) -> Optional[torch.Tensor]:
         """float32 [hi - lo, M]: |(F_m + λI)^-½ r_m| of rows lo..hi-1 at λ = `whitened_damping`
@@ -169,7 +159,7 @@ class IndexReader:
         stored = RowStatistics.load(self.group)
         if stored is not None:
             return stored
-        stats = RowStatistics.empty(self.module_blocks, int(self.meta["width"]))
+        stats = RowStatistics.empty(self.module_blocks, self.meta.width)
         for lo, rows in self.chunks():
             hi = lo + len(rows)
             keep = self.group["complete"][lo:hi] & counted(

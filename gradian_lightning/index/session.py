@@ -75,6 +75,7 @@ class IndexSession:
             with the same spec and weights (index/writer.py); positions in batches are of these rows.
         meta: plain JSON data stored in the index attributes, e.g. "data" {path, sha256,
             max_seq_length} and "config" (the CLI's).
+        caller: what its errors call it, as the user made it (`GradientIndexer` passes its own name).
 
     Bad arguments are one `ConfigError` line, here, before any model exists.
     """
@@ -89,9 +90,10 @@ class IndexSession:
         checkpoints: bool = False,
         meta: Optional[Dict[str, Any]] = None,
         append: bool = False,
+        caller: str = "IndexSession",
     ) -> None:
-        _check_arguments(path, overwrite, rows_per_chunk, checkpoints, meta, append)
-        self.append = append
+        _check_arguments(caller, path, overwrite, rows_per_chunk, checkpoints, meta, append)
+        self.append, self.caller = append, caller
         self.spec, self.path_template = spec, str(path)
         self.overwrite, self.rows_per_chunk, self.checkpoints = overwrite, rows_per_chunk, checkpoints
         self.extra_meta = dict(meta or {})
@@ -177,7 +179,7 @@ class IndexSession:
         """
         if not isinstance(batch, dict) or "index" not in batch:
             raise GradianError(
-                "GradientIndexer needs dict batches with an 'index' entry (dataset positions); use gradian_lightning.data.collate or add batch['index']"
+                f"{self.caller} needs dict batches with an 'index' entry (dataset positions); use gradian_lightning.data.collate or add batch['index']"
             )
         index = batch["index"]
         device = batch["input_ids"].device
@@ -245,7 +247,7 @@ class IndexSession:
         if writer is None:
             raise _not_open("finish")
         complete = self._close(writer)
-        summary = {**summarize(writer, complete), "computed_rows": self._rows_done, "step": writer.meta["global_step"]}
+        summary = {**summarize(writer, complete), "computed_rows": self._rows_done, "step": writer.step}
         self.summaries.append(summary)
         return summary
 
@@ -299,7 +301,9 @@ def _not_open(call: str) -> GradianError:
     )
 
 
-def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints: Any, meta: Any, append: Any) -> None:
+def _check_arguments(
+    caller: str, path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints: Any, meta: Any, append: Any
+) -> None:
     """The session's own arguments, each refused in one `ConfigError` line (the spec checks itself)."""
     rules = {
         "path": (
@@ -323,18 +327,18 @@ def _check_arguments(path: Any, overwrite: Any, rows_per_chunk: Any, checkpoints
     }
     for name, (value, ok, allowed) in rules.items():
         if not ok:
-            raise ConfigError(f"GradientIndexer({name}={value!r}) is not allowed; use {allowed}")
+            raise ConfigError(f"{caller}({name}={value!r}) is not allowed; use {allowed}")
     try:
         str(path).format(step=0)
     except (KeyError, IndexError, ValueError):
         raise ConfigError(
-            f"GradientIndexer(path={str(path)!r}): the only placeholder a path may hold is {{step}}; write other braces twice ({{{{ and }}}})"
+            f"{caller}(path={str(path)!r}): the only placeholder a path may hold is {{step}}; write other braces twice ({{{{ and }}}})"
         ) from None
     try:
         json.dumps(meta or {}, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ConfigError(
-            f"GradientIndexer(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None"
+            f"{caller}(meta=...) cannot be stored in the index attributes ({err}); keep it to dicts, lists, strings, numbers, booleans and None"
         ) from None
     # An s3:// or gs:// path without its filesystem, or a local path that is a file, fails here.
     Location(str(path).format(step=0)).check_creatable()

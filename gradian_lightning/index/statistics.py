@@ -44,11 +44,10 @@ GRAM_MAX_SIZE = 1024
 STATISTICS_GROUP = "statistics"  # the zarr subgroup of the index root group that holds them
 COUNTED_ROWS = "rows"  # the attribute of the rows counted, written after every array: they are finished
 WHITENED_NORMS = "whitened_norms"
+# The damping the stored whitened norms are for. The writer stores them for the default
+# query.damping (specs.DEFAULT_DAMPING), so that a default fisher query never whitens a chunk;
+# queries at any other damping whiten the chunks themselves (query/scorer.py, `Scorer.shortcut`).
 WHITENED_DAMPING = "whitened_damping"
-# The damping the writer stores whitened norms for: the default query.damping (specs.QuerySpec; a
-# test keeps the two equal), so that a default fisher query never whitens a chunk. Queries at any
-# other damping whiten the chunks themselves (query/topk.py `uses_whitened_norms`).
-WHITENED_NORMS_DAMPING = 1.0
 
 
 def gram_block_size(blocks: Sequence[Dict[str, Any]], width: int) -> Optional[int]:

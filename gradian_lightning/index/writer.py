@@ -8,14 +8,15 @@ from __future__ import annotations
 import contextlib
 import errno
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.data_sources import ID_BATCH, id_hashes, index_segments
+from gradian_lightning.data import ID_BATCH, id_hashes
 from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
+from gradian_lightning.gradients.projection import ModuleBlock
 from gradian_lightning.index.layout import (
     ATTRIBUTE,
     FORMAT_VERSION,
@@ -23,24 +24,25 @@ from gradian_lightning.index.layout import (
     NUMPY_DTYPE,
     ROW_ARRAYS,
     SCALES,
+    IndexMeta,
     chunk_rows,
     decode,
     encode,
     fingerprint,
     has_member,
     identity,
-    module_blocks,
     module_norms,
+    row_block,
     stored_meta,
 )
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.statistics import (
     STATISTICS_GROUP,
     WHITENED_DAMPING,
-    WHITENED_NORMS_DAMPING,
     counted,
     write_statistics,
 )
+from gradian_lightning.specs import DEFAULT_DAMPING
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -71,6 +73,36 @@ def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     ] or ["fingerprint"]
 
 
+def _weights(meta: Dict[str, Any]) -> Optional[str]:
+    """The digest of the weights an index's rows were made with (None when not recorded)."""
+    return (meta.get("model") or {}).get("weights_sha256")
+
+
+class StoredIds:
+    """The ids of the first `rows` rows of the index `group` at `path`, held as sorted 64-bit
+    hashes and their positions (16 bytes a row), to refuse appended rows that repeat one."""
+
+    def __init__(self, group: zarr.Group, rows: int, path: Any) -> None:
+        self.group, self.path = group, path
+        hashes = id_hashes(
+            (group["id"][lo : min(lo + ID_BATCH, rows)].tolist() for lo in range(0, rows, ID_BATCH)), rows
+        )
+        self.order = np.argsort(hashes, kind="stable")
+        self.hashes = hashes[self.order]
+
+    def refuse(self, ids: Iterable[Any]) -> None:
+        """`DataError` naming the first of `ids` (appended rows' ids) that a stored row holds."""
+        for value in ids:
+            h = hash(str(value))
+            at = int(np.searchsorted(self.hashes, h))
+            while at < len(self.hashes) and self.hashes[at] == h:
+                if str(self.group["id"][int(self.order[at])]) == str(value):
+                    raise DataError(
+                        f"appended row id {str(value)!r} is also the id of row {int(self.order[at]) + 1} of the index at {str(self.path)!r}; ids name rows in results, so appended rows need ids of their own (rows without an id column are numbered on by gradian index)"
+                    )
+                at += 1
+
+
 class IndexWriter:
     """Writes rows at their dataset positions, a whole chunk at a time, and resumes killed runs.
 
@@ -98,14 +130,24 @@ class IndexWriter:
         # append: this run's num_rows rows go after the `offset` rows of the complete index at path
         # (`_open_to_append`); `write` and `todo` then speak of this run's rows, 0 .. num_rows - 1.
         self.append, self.offset = append, 0
-        self._old_ids: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self._old_ids: Optional[StoredIds] = None
+        # The metadata and statistics' whitened damping of the complete index this run grew, and
+        # whether a refused row put them back (the writer then writes nothing more).
+        self._found: Optional[Tuple[Dict[str, Any], Any]] = None
+        self._undone = False
         # The spec's one record of the storage dtype is what this writer encodes with.
         spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
+        # The module layout is the one record of the width: rows written without one are one block.
+        modules = meta.get("modules") or [row_block(width).to_entry()]
+        if sum(int(b["size"]) for b in modules) != width:
+            raise GradianError(
+                f"IndexWriter(width={width}) does not match its module layout ({sum(int(b['size']) for b in modules)} values a row)"
+            )
         self.meta = {
             **meta,
             "format_version": FORMAT_VERSION,
             "num_rows": num_rows,
-            "width": width,
+            "modules": modules,
             "spec": spec,
             "complete": False,
         }
@@ -120,14 +162,16 @@ class IndexWriter:
             self._release(refused=True)
             raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
-        self.blocks = module_blocks(self.meta)
-        # An index begun by a gradian that stored no norms is resumed without them: its readers
-        # compute every row's norms, so a partial array would only be a second truth.
-        self.store_norms = has_member(self.group, NORMS, zarr.Array)
+        self.blocks = [ModuleBlock.from_entry(b) for b in self.meta["modules"]]
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self.kept_rows = int(self.done[self.offset :].sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
         self.nonfinite_rows: List[int] = []
+
+    @property
+    def step(self) -> Optional[int]:
+        """The global step of the weights the rows are made with, as the caller said (meta)."""
+        return self.meta.get("global_step")
 
     @property
     def todo(self) -> np.ndarray:
@@ -161,7 +205,10 @@ class IndexWriter:
                 and old.get("fingerprint") == self.meta.get("fingerprint")
                 and old.get("num_rows") == self.num_rows
             )
-            if same_job and old.get("global_step") == self.meta.get("global_step"):
+            # index.overwrite=true replaces even an index of this job, unless it is an unfinished one
+            # of these weights: its rows are the ones this run would compute, so a rerun resumes.
+            resumable = not overwrite or (same_job and not old.get("complete") and _weights(old) == _weights(self.meta))
+            if same_job and old.get("global_step") == self.meta.get("global_step") and resumable:
                 group = self.path.open_group("r+")
                 group.attrs[ATTRIBUTE] = {
                     **old,
@@ -194,7 +241,7 @@ class IndexWriter:
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
-        modules = len(module_blocks(self.meta))
+        modules = len(self.meta["modules"])
         for name in (NORMS, SCALES) if self.storage_dtype == "int8" else (NORMS,):
             group.create_array(
                 name, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
@@ -206,7 +253,7 @@ class IndexWriter:
         """Open the index `old` describes to add this run's rows after its own: resuming this
         run if it is the index's last append, else checking the index takes them (the same
         identity but for the data, the same weights, complete) and growing every per-row array."""
-        segments = index_segments(old)
+        segments = IndexMeta.from_attrs(old, repr(str(self.path))).data_segments()
         run = {"data": self.meta.get("data"), "rows": self.num_rows, "fingerprint": self.meta.get("fingerprint")}
         last = segments[-1]
         if last.get("fingerprint") == run["fingerprint"] and last["rows"] == self.num_rows:
@@ -214,7 +261,7 @@ class IndexWriter:
             self.num_rows, self.meta = int(old["num_rows"]), {**old, "complete": False}
             group = self.path.open_group("r+")
             group.attrs[ATTRIBUTE] = self.meta
-            self._old_ids = self._id_hashes(group, self.offset)
+            self._old_ids = StoredIds(group, self.offset, self.path)
             return group
         if old.get("checkpoints"):
             raise ConfigError(
@@ -226,7 +273,7 @@ class IndexWriter:
             raise ConfigError(
                 f"index.append=true adds rows made as the rows of the index at {str(self.path)!r} were, and these differ (differing: {', '.join(differing)}); append with its settings, or choose another index.path"
             )
-        was, now = ((m.get("model") or {}).get("weights_sha256") for m in (old, self.meta))
+        was, now = _weights(old), _weights(self.meta)
         if was != now:
             raise ConfigError(
                 f"index.append=true adds rows made with the weights the index at {str(self.path)!r} was built from (weights digest {was}); this model's are {now}; append with that model, or choose another index.path"
@@ -252,33 +299,14 @@ class IndexWriter:
                 array.resize((total, *array.shape[1:]))
                 if name in ROW_ARRAYS:  # the new rows start unwritten, whatever a partial last chunk held
                     array[self.offset :] = np.full(self.num_rows - self.offset, ROW_ARRAYS[name][1], dtype=array.dtype)
+        whitened = None
         if has_member(group, STATISTICS_GROUP, zarr.Group):
-            group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)  # its whitened norms are of the old rows only
-        self._old_ids = self._id_hashes(group, self.offset)
+            # its whitened norms are of the old rows only
+            whitened = group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)
+        self._found = (old, whitened)  # what a refused appended row puts back (`_undo_append`)
+        self._old_ids = StoredIds(group, self.offset, self.path)
         group.attrs[ATTRIBUTE] = self.meta
         return group
-
-    @staticmethod
-    def _id_hashes(group: zarr.Group, rows: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(sorted hashes, their positions) of the ids of the first `rows` rows: 16 bytes a row."""
-        hashes = id_hashes(
-            (group["id"][lo : min(lo + ID_BATCH, rows)].tolist() for lo in range(0, rows, ID_BATCH)), rows
-        )
-        order = np.argsort(hashes, kind="stable")
-        return hashes[order], order
-
-    def _refuse_repeated_ids(self, ids: Sequence[str]) -> None:
-        """`DataError` naming an appended row's id that a row of the index before it holds."""
-        hashes, order = self._old_ids
-        for value in ids:
-            h = hash(str(value))
-            at = int(np.searchsorted(hashes, h))
-            while at < len(hashes) and hashes[at] == h:
-                if str(self.group["id"][int(order[at])]) == str(value):
-                    raise DataError(
-                        f"appended row id {str(value)!r} is also the id of row {int(order[at]) + 1} of the index at {str(self.path)!r}; ids name rows in results, so appended rows need ids of their own (rows without an id column are numbered on by gradian index)"
-                    )
-                at += 1
 
     def write(
         self,
@@ -296,7 +324,11 @@ class IndexWriter:
         """
         indices = [int(i) + self.offset for i in indices]
         if self._old_ids is not None:
-            self._refuse_repeated_ids(ids)
+            try:
+                self._old_ids.refuse(ids)
+            except DataError:
+                self._undo_append()
+                raise
         finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(loss)
         grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
         stored, scales = encode(grads, self.storage_dtype, self.blocks)
@@ -317,6 +349,26 @@ class IndexWriter:
                 lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.num_rows)
                 if int(self.done[lo:hi].sum()) + len(self._pending[c]) == hi - lo:
                     self._flush(c)
+
+    def _undo_append(self) -> None:
+        """Put the complete index this append grew back as it was found, byte for byte: the rows
+        past `offset` and their chunks go (a shared last chunk back to its fill values, as it was
+        written), and the metadata and statistics' attributes return. Nothing is written after."""
+        if self._found is None:
+            return  # a resumed append: the index was already unfinished, and stays so
+        (old, whitened), group = self._found, self.group
+        for name in ("grads", NORMS, SCALES, *ROW_ARRAYS):
+            if has_member(group, name, zarr.Array):
+                array = group[name]
+                edge = min(array.shape[0], -(-self.offset // array.chunks[0]) * array.chunks[0])
+                if edge > self.offset:  # the old rows' last chunk also holds new rows: zarr keeps them past a shrink
+                    array[self.offset : edge] = array.fill_value
+                array.resize((self.offset, *array.shape[1:]))
+        if whitened is not None:
+            group[STATISTICS_GROUP].attrs[WHITENED_DAMPING] = whitened
+        group.attrs[ATTRIBUTE] = old
+        self._pending.clear()
+        self.done, self.num_rows, self.meta, self._undone = self.done[: self.offset], self.offset, old, True
 
     @contextlib.contextmanager
     def _disk_full_is_one_line(self) -> Iterator[None]:
@@ -350,8 +402,7 @@ class IndexWriter:
         self._set("grads", where, block)
         if scales is not None:  # before `complete`, like the row itself
             self._set(SCALES, where, scales)
-        if self.store_norms:
-            self._set(NORMS, where, module_norms(decoded, self.blocks).numpy())
+        self._set(NORMS, where, module_norms(decoded, self.blocks).numpy())
         columns = list(zip(*(rows[i][1] for i in order)))
         for name, values in zip(("id", "loss", "supervised_tokens", "truncated_tokens", "finite"), columns):
             self._set(name, where, np.asarray(values, dtype=ROW_ARRAYS[name][0]))
@@ -361,7 +412,7 @@ class IndexWriter:
     def _decoded(self, lo: int, hi: int, a: int, b: int) -> torch.Tensor:
         """float32 rows lo..hi-1 of module blocks a..b-1 as written, read back from disk."""
         blocks = self.blocks[a:b]
-        first, last = int(blocks[0]["offset"]), int(blocks[-1]["offset"]) + int(blocks[-1]["size"])
+        first, last = blocks[0].offset, blocks[-1].offset + blocks[-1].size
         scales = self.group[SCALES][lo:hi, a:b] if self.storage_dtype == "int8" else None
         return decode(self.group["grads"][lo:hi, first:last], self.storage_dtype, scales=scales, blocks=blocks)
 
@@ -375,6 +426,9 @@ class IndexWriter:
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
         """Flush every buffered row, store the row statistics (and, once every row is written, the
         rows' whitened norms); mark the index complete when every row is. Returns that flag."""
+        if self._undone:  # a refused append put the complete index back: leave it so
+            self._release()
+            return True
         try:
             with self._disk_full_is_one_line():
                 for c in sorted(self._pending):
@@ -389,7 +443,7 @@ class IndexWriter:
                     self.width,
                     self.chunk,
                     self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
-                    WHITENED_NORMS_DAMPING if complete and self.store_norms else None,
+                    DEFAULT_DAMPING if complete else None,  # the default query's damping: it never whitens a chunk
                 )
                 self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
         finally:

@@ -1,12 +1,12 @@
 """`query.engine: dask`: rank an index on a Dask cluster, for indexes too big for one machine's memory or patience.
 
     grads [N, D] --dask.array.from_zarr--> blocks of the stored row chunks [c, D]
-      --map_blocks(score_chunk, the local scorer's own function)--> scores [N, Q], blocks [c, Q]
+      --map_blocks(Scorer.score, the local engine's own scorer)--> scores [N, Q], blocks [c, Q]
       --masked: rows not rankable get -inf (top) / +inf (bottom)--> dask.array.argtopk / topk
         along the rows: tree reductions over the blocks --> [k, Q] indices and scores
 
-The query rows are scaled once here exactly as `streaming_topk` scales them (`prepare_queries`), and
-every block is scored by `score_chunk`, so both engines compute the same numbers; only the
+The query rows are prepared once by the same `Scorer` (scorer.py) that `streaming_topk` uses,
+and every block is scored by its `score`, so both engines compute the same numbers; only the
 reduction differs. The workers open `index.path` themselves (the graph carries zarr arrays, not
 bytes): it must name the same store for them as for this process, e.g. a shared filesystem or an
 s3:// / gs:// URL. `dask[array]` and `distributed` come with `pip install "gradian-lightning[cluster]"`.
@@ -15,37 +15,31 @@ s3:// / gs:// URL. `dask[array]` and `distributed` come with `pip install "gradi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.index.layout import SCALES, decode, module_blocks
+from gradian_lightning.extras import require_extra
+from gradian_lightning.index.layout import SCALES, decode
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.precondition import Preconditioner, resolved_spec
-from gradian_lightning.query.topk import Ranking, prepare_queries, score_chunk
-from gradian_lightning.specs import QuerySpec
+from gradian_lightning.query.scorer import Scorer
+from gradian_lightning.query.topk import Ranking
 
 # Seconds to wait for a scheduler at query.dask_scheduler before saying it does not answer.
 CONNECT_TIMEOUT_S = 10
 
 
-def require_dask() -> None:
-    """Raise `ConfigError` naming the packages when dask[array] or distributed is missing."""
-    try:
-        import dask.array  # noqa: F401
-        import distributed  # noqa: F401
-    except ImportError as err:
-        raise ConfigError(
-            f"setting 'query.engine'='dask' needs dask[array] and distributed ({err}); pip install \"gradian-lightning[cluster]\", or use query.engine=local"
-        ) from None
+def _require_dask() -> None:
+    for module in ("dask.array", "distributed"):
+        require_extra(module, "cluster", "setting 'query.engine'='dask'")
 
 
 @contextlib.contextmanager
 def dask_client(scheduler: Optional[str] = None) -> Iterator[Any]:
     """A `distributed.Client` on the scheduler at `scheduler`, or on a fresh `LocalCluster` (closed on exit)."""
-    require_dask()
+    _require_dask()
     from distributed import Client, LocalCluster
 
     if scheduler:
@@ -71,47 +65,31 @@ def check_workers_can_open(index: IndexReader) -> None:
         )
 
 
-def _score_block(
-    block: np.ndarray,
-    scales: Optional[np.ndarray],
-    queries: torch.Tensor,
-    blocks: Sequence[Dict[str, Any]],
-    spec: QuerySpec,
-    storage_dtype: str,
-    transform: Optional[Preconditioner],
-) -> np.ndarray:
+def _score_block(block: np.ndarray, scales: Optional[np.ndarray], scorer: Scorer, storage_dtype: str) -> np.ndarray:
     # Runs on a worker: one stored chunk [c, D] (and its int8 scales [c, M]) -> its scores [c, Q]
     # (rows along axis 0, as grads).
-    rows = decode(block, storage_dtype, scales=scales, blocks=blocks)
-    return score_chunk(queries, rows, blocks, spec, transform).T.numpy()
+    rows = decode(block, storage_dtype, scales=scales, blocks=scorer.blocks)
+    return scorer.score(rows).T.numpy()
 
 
 def dask_topk(
-    index: IndexReader,
-    query_rows: torch.Tensor,
-    spec: QuerySpec,
-    *,
-    scheduler: Optional[str] = None,
-    client: Optional[Any] = None,
+    scorer: Scorer, *, scheduler: Optional[str] = None, client: Optional[Any] = None
 ) -> tuple[Ranking, Optional[Ranking]]:
-    """`streaming_topk`'s answer, computed on a Dask cluster: (top, bottom or None), `Ranking`s on the CPU.
+    """`streaming_topk`'s answer for one prepared CPU `Scorer` (one checkpoint: sums of
+    checkpoints are the local engine's), computed on a Dask cluster: (top, bottom or None),
+    `Ranking`s on the CPU.
 
-    `query_rows` [Q, D] float32 made at the weights of `index`'s checkpoint (one checkpoint: its
-    newest, or the one `IndexReader.at` chose); `spec` (specs.QuerySpec) as in `streaming_topk`,
-    whose `checkpoints` this engine leaves to the caller.
     Runs on `client` (a `distributed.Client`) when given, else on the scheduler at `scheduler`, else
     on a `distributed.LocalCluster` started for this call.
     Rows that are unwritten, non-finite or have no supervised token are never ranked.
     """
-    require_dask()
+    _require_dask()
     import dask
     import dask.array as da
 
+    index = scorer.index
     check_workers_can_open(index)
-    spec = resolved_spec(index, spec)
-    k, bottom_k = spec.rows_wanted(len(index)), spec.bottom_k
-    queries, transform = prepare_queries(index, query_rows.cpu(), spec, "cpu")
-    blocks = module_blocks(index.meta)
+    k, bottom_k = scorer.spec.rows_wanted(len(index)), scorer.spec.bottom_k
     group = index.group
     grads = da.from_zarr(index.grads)  # blocks are the stored chunks: [c, D], one read each
     rows = grads.chunks[0]
@@ -121,13 +99,10 @@ def dask_topk(
         _score_block,
         grads,
         scales,
-        queries,
-        blocks,
-        spec,
+        scorer,
         index.storage_dtype,
-        transform,
         dtype=np.float32,
-        chunks=(rows, (len(queries),)),
+        chunks=(rows, (len(scorer.queries),)),
         meta=np.empty((0, 0), np.float32),
     )
     rankable = (

@@ -23,13 +23,13 @@ from gradian_lightning.gradients.loss import LOSS_KIND
 from gradian_lightning.gradients.peft import unwrap_peft
 from gradian_lightning.gradients.weights import weights_digest
 from gradian_lightning.hub import describe_model, normalized_name, pad_token_id
-from gradian_lightning.index.layout import module_blocks, round_trip, storage_dtype_of, stored_spec
+from gradian_lightning.index.layout import IndexMeta, round_trip
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.specs import ROW_SETTINGS, IndexSpec, field_names
+from gradian_lightning.specs import MEMORY_SETTINGS, ROW_SETTINGS, IndexSpec, field_names
 
 
 def index_mismatches(
-    meta: Dict[str, Any],
+    meta: IndexMeta,
     model: Optional[nn.Module] = None,
     spec: Optional[IndexSpec] = None,
     given: Optional[Collection[str]] = None,
@@ -44,17 +44,17 @@ def index_mismatches(
     found: List[str] = []
     given = set(field_names(IndexSpec) if given is None else given)
     if spec is not None:
-        stored = stored_spec(meta)
+        stored = meta.spec
         # The module filter is checked below, by the modules it selects in the query's model.
         for key in [k for k in ROW_SETTINGS if k in given and k != "module_filter"]:
             ours, theirs = getattr(spec, key), getattr(stored, key)
             if ours != theirs:
                 found.append(f"grads.{key} is {ours!r} here but {theirs!r} in the index")
-    if meta.get("loss", {}).get("kind", LOSS_KIND) != LOSS_KIND:
-        found.append(f"the index's loss is {meta['loss']['kind']!r}, this gradian computes {LOSS_KIND!r}")
+    if (meta.loss_kind or LOSS_KIND) != LOSS_KIND:
+        found.append(f"the index's loss is {meta.loss_kind!r}, this gradian computes {LOSS_KIND!r}")
     if model is None:
         return found
-    ours, theirs = describe_model(model), meta.get("model", {})
+    ours, theirs = describe_model(model), meta.model
     kind = [
         f"{what} is {ours[key]!r} here but {theirs[key]!r} in the index"
         for key, what in (("class", "model class"), ("vocab_size", "vocabulary size"), ("dtype", "model dtype"))
@@ -63,8 +63,8 @@ def index_mismatches(
     found += kind or _weights_mismatch(model, ours, theirs, meta)  # other weights follow from another kind
     linears = dict(model.named_modules())
     modules_found = True
-    for block in meta.get("modules", []):
-        name, shape = block["name"], (block["out_features"], block["in_features"])
+    for block in meta.blocks:
+        name, shape = block.name, (block.out_features, block.in_features)
         module = linears.get(name)
         features = None if module is None else linear_features(module)
         if features is None:
@@ -82,7 +82,7 @@ def index_mismatches(
             chosen = list(select_modules(model, spec.module_filter))
         except ConfigError:
             chosen = []
-        wanted = [b["name"] for b in meta.get("modules", [])]
+        wanted = [b.name for b in meta.blocks]
         if chosen != wanted:
             found.append(
                 f"grads.module_filter={list(spec.module_filter)!r} selects {len(chosen)} modules here, not the {len(wanted)} modules of the index"
@@ -90,9 +90,7 @@ def index_mismatches(
     return found
 
 
-def _weights_mismatch(
-    model: nn.Module, ours: Dict[str, Any], theirs: Dict[str, Any], meta: Dict[str, Any]
-) -> List[str]:
+def _weights_mismatch(model: nn.Module, ours: Dict[str, Any], theirs: Dict[str, Any], meta: IndexMeta) -> List[str]:
     """[] when `model` holds the weights the index was built with, else the phrase saying what differs.
 
     By the weights' digest where the index recorded one; for the index of a sharded model, which
@@ -111,12 +109,12 @@ def _weights_mismatch(
     )
 
 
-def _other_weights(here: str, indexed: str, name: Optional[str], meta: Dict[str, Any]) -> str:
+def _other_weights(here: str, indexed: str, name: Optional[str], meta: IndexMeta) -> str:
     """The phrase for a model whose weights are not the ones these rows were made with."""
-    at = f" at step {meta['global_step']}" if meta.get("global_step") is not None else ""
+    at = f" at step {meta.global_step}" if meta.global_step is not None else ""
     built = f", built from {name!r}" if name else ""  # an index written from Python may not name its model
     phrase = f"the model's weights are not those the index was built with{at} (weights digest {here} here, {indexed} in the index{built})"
-    held = [int(e["step"]) for e in meta.get("checkpoints", []) if e.get("weights_sha256") == here]
+    held = [int(e["step"]) for e in meta.checkpoints if e.get("weights_sha256") == here]
     if held:
         return (
             phrase
@@ -143,24 +141,25 @@ def check_matches_index(
 def index_gradient_rows(
     index: IndexReader,
     model: nn.Module,
-    loss_chunk_tokens: Optional[int] = None,
     settings: Optional[IndexSpec] = None,
     given: Optional[Collection[str]] = None,
 ) -> GradientRows:
     """The `GradientRows` that make rows like `index`'s with `model`: the index's modules, found by
-    name, and its stored spec (projection, seed, ...). `loss_chunk_tokens` changes memory, never
-    the rows (`supervised_token_loss`). `settings` and `given`: the caller's own `grads.*`
-    settings, checked where given (`index_mismatches`). Raises `IndexMismatchError` naming each
-    mismatch; the model's weights digest is taken once, here."""
+    name, and its stored spec (projection, seed, ...). `settings` and `given`: the caller's own
+    `grads.*` settings (default: all of `settings` given), checked where given
+    (`index_mismatches`); of them, those that change memory but never the rows
+    (`specs.MEMORY_SETTINGS`: recompute, loss_chunk_tokens) replace the index's where given.
+    Raises `IndexMismatchError` naming each mismatch; the model's weights digest is taken once, here."""
     model = unwrap_peft(model)
     check_matches_index(index, model, settings, given)
     linears = dict(model.named_modules())
-    modules = {b["name"]: linears[b["name"]] for b in index.meta["modules"]}
-    spec = replace(stored_spec(index.meta), loss_chunk_tokens=loss_chunk_tokens)
-    made = GradientRows(model, spec, modules)
-    if made.projector.describe() != index.meta["modules"] or made.projector.width != int(index.meta["width"]):
+    modules = {b.name: linears[b.name] for b in index.meta.blocks}
+    given = set(field_names(IndexSpec) if given is None else given)
+    memory = {k: getattr(settings, k) for k in MEMORY_SETTINGS if settings is not None and k in given}
+    made = GradientRows(model, replace(index.meta.spec, **memory), modules)
+    if tuple(made.projector.blocks) != index.meta.blocks:
         raise IndexMismatchError(
-            f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {made.projector.width} vs {index.meta['width']}); rebuild the index with `gradian index`"
+            f"the row layout rebuilt from the index at {str(index.path)!r} differs from its attributes (width {made.projector.width} vs {index.meta.width}); rebuild the index with `gradian index`"
         )
     return made
 
@@ -175,7 +174,6 @@ def query_gradients(
     device: Optional[torch.device | str] = None,
     forward_context: Optional[ContextManager] = None,
     source: str = "query data",
-    loss_chunk_tokens: Optional[int] = None,
     settings: Optional[IndexSpec] = None,
     given: Optional[Collection[str]] = None,
 ) -> torch.Tensor:
@@ -188,13 +186,13 @@ def query_gradients(
     no truncation. `device` defaults to the model's. The model's train/eval mode, RNG and
     parameters' `.grad` are left as they were. Raises `IndexMismatchError` naming each mismatch and
     `DataError` for a row with no supervised token. A `peft.PeftModel` is run as its base model
-    (adapters in place), as `GradientIndexer` runs it. `loss_chunk_tokens`: see
-    `supervised_token_loss` (memory only; the rows are the same). `settings`, `given`: the
-    caller's `grads.*` settings to check against the index where given (`index_mismatches`).
+    (adapters in place), as `GradientIndexer` runs it. `settings`, `given`: the
+    caller's `grads.*` settings to check against the index where given (`index_mismatches`), of
+    which grads.recompute and grads.loss_chunk_tokens (memory only) are used where given.
     """
-    gradient_rows = index_gradient_rows(index, model, loss_chunk_tokens, settings, given)
+    gradient_rows = index_gradient_rows(index, model, settings, given)
     if max_seq_length is None:
-        max_seq_length = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
+        max_seq_length = index.meta.max_seq_length or 2**31 - 1
     dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)
     for example in dataset.examples:
         if all(label < 0 for label in example.labels[1:]):
@@ -202,7 +200,7 @@ def query_gradients(
                 f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt"
             )
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    storage, blocks = storage_dtype_of(index.meta), module_blocks(index.meta)
+    storage, blocks = index.meta.storage_dtype, index.meta.blocks
     out = []
     pad = pad_token_id(tokenizer)
     # Batches are collated here rather than by a DataLoader, whose iterator draws from the caller's RNG.

@@ -25,12 +25,9 @@ from torch import nn
 from gradian_lightning.data import IGNORE_INDEX, JsonlDataset, collate
 from gradian_lightning.gradients.batch import BATCH_KEYS, GradientRows
 from gradian_lightning.hub import pad_token_id
-from gradian_lightning.index.layout import module_blocks
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.precondition import resolved_spec
-from gradian_lightning.query.rows import index_gradient_rows, query_gradients
-from gradian_lightning.query.topk import prepare_queries
-from gradian_lightning.specs import QuerySpec
+from gradian_lightning.query.rows import index_gradient_rows
+from gradian_lightning.query.scorer import Scorer
 
 
 def token_texts(tokenizer: Any, ids: List[int]) -> List[str]:
@@ -59,7 +56,7 @@ def token_rows(
     `index_gradient_rows(index, model)` when the caller already made it (checked once for many rows).
     """
     gradient_rows = gradient_rows or index_gradient_rows(index, model)
-    max_len = (index.meta.get("data") or {}).get("max_seq_length") or 2**31 - 1
+    max_len = index.meta.max_seq_length or 2**31 - 1
     example = JsonlDataset([row], tokenizer, max_len, source="token scores").examples[0]
     targets = [t for t in range(1, len(example.labels)) if example.labels[t] != IGNORE_INDEX]
     device = next(gradient_rows.model.parameters()).device
@@ -84,45 +81,20 @@ def token_rows(
 
 
 def query_token_scores(
-    index: IndexReader,
-    model: nn.Module,
-    tokenizer: Any,
-    query: Dict[str, Any],
-    rows: List[Dict[str, Any]],
-    spec: Optional[QuerySpec] = None,
-    query_row: Optional[torch.Tensor] = None,
+    scorer: Scorer, model: nn.Module, tokenizer: Any, rows: List[Dict[str, Any]], query: int = 0
 ) -> List[Dict[str, Any]]:
-    """Each supervised token's term of each training row's score against one query, scored as
-    `spec` says (default: `QuerySpec()`, the defaults of `gradian query`).
+    """Each supervised token's term of each training row's score against query number `query` of
+    `scorer` (a `Scorer` of the index, made with `shortcut=False` and prepared with the query rows).
 
-    `rows`: the training rows to explain (data rows, as in data.train). `query_row` [D]: the
-    query's row if already made (`query_gradients`). Returns per training row {"tokens",
-    "supervised", "terms": [float per token, None where not supervised], "score": their sum (the
-    row's score from its unrounded gradient)}, in the order of `rows`.
+    `rows`: the training rows to explain (data rows, as in data.train). Returns per training row
+    {"tokens", "supervised", "terms": [float per token, None where not supervised], "score": their
+    sum (the row's score from its unrounded gradient)}, in the order of `rows`.
     """
-    if query_row is None:
-        query_row = query_gradients(index, model, tokenizer, [query])[0]
-    spec = resolved_spec(index, spec or QuerySpec())
-    queries, transform = prepare_queries(index, query_row[None], spec, "cpu")
-    score, normalize = spec.score, spec.normalize
-    blocks = module_blocks(index.meta)
-    made = index_gradient_rows(index, model)
+    made = index_gradient_rows(scorer.index, model)
     explained = []
     for row in rows:
-        parts = token_rows(index, model, tokenizer, row, made)
-        per_token = parts["rows"]
-        if transform is not None:
-            per_token = transform(per_token)
-        whole = per_token.sum(0)
-        if score == "cosine" and normalize == "module":
-            scale = torch.ones_like(whole)
-            for b in blocks:
-                lo, hi = int(b["offset"]), int(b["offset"]) + int(b["size"])
-                scale[lo:hi] = 1.0 / whole[lo:hi].norm().clamp_min(torch.finfo(torch.float32).tiny)
-            per_token = per_token * scale
-        elif score == "cosine":
-            per_token = per_token / whole.norm().clamp_min(torch.finfo(torch.float32).tiny)
-        values = (per_token.double() @ queries[0].double()).tolist()
+        parts = token_rows(scorer.index, model, tokenizer, row, made)
+        values = scorer.token_terms(parts["rows"])[query].tolist() if len(parts["rows"]) else []
         terms, it = [], iter(values)
         for supervised in parts["supervised"]:
             terms.append(next(it) if supervised else None)

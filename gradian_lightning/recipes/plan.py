@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradian_lightning.config import require
-from gradian_lightning.data import IGNORE_INDEX, Example, JsonlDataset, read_jsonl
+from gradian_lightning.data import IGNORE_INDEX, Fields, TokenizedRows
+from gradian_lightning.data_sources import open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import GradientRows
 from gradian_lightning.gradients.capture import linear_features
@@ -37,23 +38,9 @@ from gradian_lightning.index.layout import NUMPY_DTYPE
 from gradian_lightning.index.statistics import statistics_bytes
 from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def supervised_tokens(example: Example) -> int:
-    """Supervised targets of one tokenized row: positions t whose label[t + 1] is not -100."""
-    return sum(1 for label in example.labels[1:] if label != IGNORE_INDEX)
+# Byte units, lower-cased: bytes, decimal (kb ... tb) and binary (kib ... tib).
+_UNITS = {"": 1, "b": 1, **{f"{p}b": 10 ** (3 * n) for n, p in enumerate("kmgt", 1)}}
+_UNITS.update({f"{p}ib": 2 ** (10 * n) for n, p in enumerate("kmgt", 1)})
 
 
 def parse_bytes(text: str) -> int:
@@ -270,8 +257,7 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
     `model` may live on the meta device.
     """
     projector = GradientRows(model, spec).projector
-    blocks = projector.describe()
-    stats = statistics_bytes(blocks, projector.width, rows)
+    stats = statistics_bytes(projector.blocks, projector.width, rows)
     return {
         "modules": len(projector.blocks),
         "width": projector.width,
@@ -301,10 +287,16 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     is cpu; without either, no fitting batch size is computed.
     """
     require(cfg, "model.name_or_path", "data.train")
-    rows = read_jsonl(cfg.data.train)
+    fields = Fields.from_config(cfg.data)
+    rows = streamed_rows(open_rows(cfg.data.train, fields))  # read forward, as gradian index reads it
     tokenizer, config = load_tokenizer_and_config(cfg.model)
     g, spec = cfg.grads, IndexSpec.from_config(cfg.grads)
-    examples = JsonlDataset(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train)).examples
+    examples = TokenizedRows(rows, tokenizer, g.max_seq_length, source=str(cfg.data.train), fields=fields)
+    # [N] int64 each, one row tokenised at a time (24 bytes a row): supervised targets (positions t
+    # whose label[t + 1] is not -100), tokens, supervised tokens cut by max_seq_length.
+    each = map(examples.__getitem__, range(len(examples)))
+    per_row = ((sum(t != IGNORE_INDEX for t in e.labels[1:]), len(e.input_ids), e.truncated_tokens) for e in each)
+    counts, lengths, cut = np.fromiter(per_row, dtype=np.dtype((np.int64, 3)), count=len(examples)).T
     model = meta_model(config, cfg.model.trust_remote_code)
     vocab = int(model.get_output_embeddings().out_features)
     dtype, autocast = precision_dtypes(cfg, config)
@@ -321,8 +313,6 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         torch.empty((), dtype=autocast or dtype).element_size()
     )  # the head's logits are in the autocast dtype, if any
 
-    counts = np.array([supervised_tokens(e) for e in examples], dtype=np.int64)
-    lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
     desc = np.sort(counts)[::-1]
     b = min(g.batch_size, len(counts))
     batches = [slice(i, i + g.batch_size) for i in range(0, len(counts), g.batch_size)]
@@ -348,7 +338,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
             "mean": float(counts.mean()),
             "min": int(counts.min()),
         },
-        "truncated_rows": int(sum(e.truncated_tokens > 0 for e in examples)),
+        "truncated_rows": int((cut > 0).sum()),
         "empty_rows": int((counts == 0).sum()),
         "fp32_logits_bytes": {
             "worst_case": worst,

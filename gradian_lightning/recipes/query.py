@@ -25,8 +25,8 @@ from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
-from gradian_lightning.query.precondition import resolved_spec, scoring_words
 from gradian_lightning.query.rows import check_matches_index, query_gradients
+from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
 from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
 from gradian_lightning.query.topk import Index, Ranking, score_all, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
@@ -102,7 +102,7 @@ def check_writable(path: str | Path, key: str = "query.output") -> None:
 
 def written_rows(index: IndexReader) -> int:
     """How many rows of `index` are written (complete); all of them once the index is complete."""
-    return len(index) if index.meta.get("complete") else int(index.column("complete").sum())
+    return len(index) if index.meta.complete else int(index.column("complete").sum())
 
 
 @dataclass
@@ -112,6 +112,7 @@ class QueryRows:
     rows: {checkpoint step: [Q, D] float32 on `device`}; readers: {step: the index read at that
     checkpoint}; models: {step: (model, tokenizer)}, kept only when asked (for token terms);
     weights: {step: its weight in the sum (index/checkpoints.py)}, 1.0 for a lone checkpoint.
+    `scorers(spec)` scores them.
     """
 
     rows: Dict[int, torch.Tensor]
@@ -119,32 +120,27 @@ class QueryRows:
     models: Dict[int, tuple]
     weights: Dict[int, float]
     device: torch.device
+    index: IndexReader
+
+    def scorers(self, spec: QuerySpec, shortcut: bool = True) -> List[Scorer]:
+        """One prepared `Scorer` per checkpoint that `spec.checkpoints` sums (`checkpoint_scorers`)."""
+        return checkpoint_scorers(self.index, self.rows, spec, self.device, shortcut)
 
 
 def add_token_terms(
-    shown: List[Dict[str, Any]],
-    query: Dict[str, Any],
-    q_index: int,
-    train_rows: List[Dict[str, Any]],
-    made: QueryRows,
-    q: QuerySpec,
+    shown: List[Dict[str, Any]], q_index: int, train_rows: List[Dict[str, Any]], made: QueryRows, scorers: List[Scorer]
 ) -> None:
-    """Give each result in `shown` ({"index": training row position, ...}) its "tokens" and
-    "terms": every supervised token's share of its score (None for the rest), summed over the
-    scored checkpoints with their weights, so that the terms add up to the score (from the
-    unrounded rows; query/token_scores.py). `made` must have kept its models."""
+    """Give each result in `shown` ({"index": training row position, ...}) of query `q_index` its
+    "tokens" and "terms": every supervised token's share of its score (None for the rest), summed
+    over the `scorers` (one per checkpoint, `shortcut=False`) with their weights, so that the terms
+    add up to the score (from the unrounded rows; query/token_scores.py). `made` must have kept its models."""
     if not shown:
         return
     wanted = [train_rows[r["index"]] for r in shown]
     total = summed_over_checkpoints(
         [
-            (
-                weight,
-                query_token_scores(
-                    made.readers[step], *made.models[step], query, wanted, q, made.rows[step][q_index].cpu()
-                ),
-            )
-            for step, weight in made.weights.items()
+            (scorer.weight, query_token_scores(scorer, *made.models[scorer.index.step], wanted, q_index))
+            for scorer in scorers
         ]
     )
     for result, e in zip(shown, total):
@@ -198,13 +194,12 @@ def make_query_rows(
             device=fabric.device,
             forward_context=fabric.autocast(),
             source=str(cfg.query.data),
-            loss_chunk_tokens=spec.loss_chunk_tokens,
             settings=spec,
             given=given,
         )
     chosen = checkpoint_weights(index.checkpoints, which)
     weights = {int(e["step"]): w for e, w in chosen} if len(rows) > 1 else {step: 1.0 for step in rows}
-    return QueryRows(rows, readers, kept, weights, fabric.device)
+    return QueryRows(rows, readers, kept, weights, fabric.device, index.reader)
 
 
 def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
@@ -216,7 +211,7 @@ def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
     steps = sorted({int(e["step"]) for q in scorings for e, _ in checkpoint_weights(index.checkpoints, q.checkpoints)})
     which = "last" if steps == [index.step] else steps
     made = make_query_rows(cfg, index, read_queries(cfg), spec, given, which)
-    return [score_all(index, made.rows, q, device=made.device).numpy() for q in scorings]
+    return [score_all(made.scorers(q)).numpy() for q in scorings]
 
 
 def read_queries(cfg: Any, queries: Any = None) -> List[Dict[str, Any]]:
@@ -269,27 +264,29 @@ def _answer(
             f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {chosen} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
         )
     made = make_query_rows(cfg, index, queries, spec, given, which, keep_models=cfg.query.token_scores)
-    rows, readers = made.rows, made.readers
     if client is not None:
-        (step,) = rows
-        top, bottom = dask_topk(readers[step], rows[step], q, client=client)
+        ((step, rows),) = made.rows.items()
+        scorers = [Scorer(made.readers[step], q).prepare(rows.cpu())]
+        top, bottom = dask_topk(scorers[0], client=client)
     else:
-        top, bottom = streaming_topk(index, rows, q, device=made.device)
+        scorers = made.scorers(q)
+        top, bottom = streaming_topk(scorers)
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
-    used = resolved_spec(index, q)  # "auto" named as what it meant for this index
+    scoring = describe_scoring(scorers)
     for entry in results:
-        entry["scoring"] = scoring_words(used)
+        entry["scoring"] = scoring
     # Row texts only from the very data that was indexed: edited data no longer lines up.
-    train_rows, why = indexed_rows(index.meta, Fields.from_config(cfg.data), train)
+    train_rows, why = indexed_rows(index.meta.data_segments(), Fields.from_config(cfg.data), train)
     if cfg.query.token_scores:
         if train_rows is None:
             raise ConfigError(
                 f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data or set query.token_scores=false"
             )
+        explaining = made.scorers(q, shortcut=False)
         for q_index, entry in enumerate(results):
             for key in ("results", "opponents"):
-                add_token_terms(entry.get(key, []), queries[q_index], q_index, train_rows, made, q)
+                add_token_terms(entry.get(key, []), q_index, train_rows, made, explaining)
     if train_rows is None:
         warnings.warn(f"row texts are not shown: {why}; the ranking is of the indexed rows", stacklevel=3)
     if cfg.query.output:
@@ -302,5 +299,13 @@ def _answer(
         "index": index,
         "ranked_rows": written_rows(index),
         "device": where,
-        "scoring": scoring_words(used),
+        "scoring": scoring,
     }
+
+
+def describe_scoring(scorers: Sequence[Scorer]) -> str:
+    """How `scorers` (one per checkpoint) score, in words, and how many checkpoints are summed:
+    e.g. "whole-row cosine, preconditioner fisher (damping 1.0), summed over 2 checkpoints weighted
+    by learning rate"."""
+    words = scorers[0].describe()
+    return words if len(scorers) == 1 else f"{words}, summed over {len(scorers)} checkpoints weighted by learning rate"

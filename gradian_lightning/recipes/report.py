@@ -13,19 +13,25 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from gradian_lightning.config import require
-from gradian_lightning.data import read_jsonl, row_snippet
+from gradian_lightning.data import Fields, row_snippet
+from gradian_lightning.data_sources import indexed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.precondition import resolved_spec, scoring_words
 from gradian_lightning.query.topk import score_all
-from gradian_lightning.recipes.query import add_token_terms, check_writable, make_query_rows, open_for_query
+from gradian_lightning.recipes.query import (
+    add_token_terms,
+    check_writable,
+    describe_scoring,
+    make_query_rows,
+    open_for_query,
+    read_queries,
+)
 from gradian_lightning.report.html import render
 from gradian_lightning.specs import QuerySpec
 
@@ -99,7 +105,7 @@ def report_data(
         )
     return {
         "index": str(index.path),
-        "title": page_title((index.meta.get("model") or {}).get("name_or_path"), str(index.path)),
+        "title": page_title(index.meta.model.get("name_or_path"), str(index.path)),
         "rows": len(index),
         "scoring": scoring,
         "token_note": token_note,
@@ -127,13 +133,6 @@ def write_report(path: str | Path, data: Dict[str, Any]) -> Path:
     return path
 
 
-def scoring_text(index: IndexReader, q: QuerySpec, checkpoints: int) -> str:
-    """How the scores were made, in words, for the page's header."""
-    used = resolved_spec(index, q)
-    text = scoring_words(used)
-    return text + (f", summed over {checkpoints} checkpoints weighted by learning rate" if checkpoints > 1 else "")
-
-
 def run_report(cfg: Any) -> Path:
     """Write the report of the `gradian query` results at `query.output`; returns the page's path.
 
@@ -148,27 +147,32 @@ def run_report(cfg: Any) -> Path:
     out = Path(cfg.report.output) if cfg.report.output else results_path.with_suffix(".html")
     check_writable(out, "report.output")
     results = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
-    queries = read_jsonl(cfg.query.data)
+    queries = read_queries(cfg)
     if [str(q.get("id", i)) for i, q in enumerate(queries)] != [r["query_id"] for r in results]:
         raise ConfigError(
             f"setting 'query.output'={str(results_path)!r} holds results of other queries than query.data={str(cfg.query.data)!r}; rerun gradian query, or point query.data at the queries it answered"
         )
     index, spec, given = open_for_query(cfg)
-    data = index.meta.get("data") or {}
-    train_rows = read_jsonl(data.get("path") or cfg.data.train)
+    # Row texts only from the very data that was indexed, by position, read as gradian query reads them.
+    train_rows, why = indexed_rows(index.meta.data_segments(), Fields.from_config(cfg.data))
+    if train_rows is None:
+        raise ConfigError(
+            f"gradian report shows the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data, then rerun gradian report"
+        )
     q = QuerySpec.from_config(cfg.query)
     made = make_query_rows(cfg, index, queries, spec, given, q.checkpoints, keep_models=cfg.report.token_rows > 0)
-    scores = score_all(index, made.rows, q, device=made.device).numpy()
+    scorers = made.scorers(q)
+    scores = score_all(scorers).numpy()
     by_checkpoint = {}
-    if len(made.rows) > 1:  # each checkpoint scored alone, weighted as in the sum
-        for step, weight in made.weights.items():
-            alone = replace(q, checkpoints=(step,))
-            by_checkpoint[step] = weight * score_all(index, made.rows, alone, device=made.device).numpy()
+    if len(scorers) > 1:  # each checkpoint scored alone, weighted as in the sum
+        for scorer in scorers:
+            by_checkpoint[scorer.index.step] = score_all([scorer]).numpy()
+    explaining = made.scorers(q, shortcut=False) if cfg.report.token_rows else []
 
     def explain(qi: int, rows: List[Dict[str, Any]], positions: List[int]) -> List[Dict[str, Any]]:
         # The token terms of the shown rows, summed over checkpoints as `gradian query` sums them.
         shown = [{"index": p} for p in positions]
-        add_token_terms(shown, queries[qi], qi, train_rows, made, q)
+        add_token_terms(shown, qi, train_rows, made, explaining)
         return shown
 
     steps = len(made.rows)
@@ -184,7 +188,7 @@ def run_report(cfg: Any) -> Path:
         by_checkpoint,
         explain if cfg.report.token_rows else None,
         cfg.report.token_rows,
-        scoring_text(index, q, steps),
+        describe_scoring(scorers),
         note,
     )
     return write_report(out, data_)

@@ -25,11 +25,12 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from gradian_lightning.config import check_settings, require
-from gradian_lightning.data import read_jsonl
+from gradian_lightning.data import Fields
+from gradian_lightning.data_sources import fingerprint_of, open_rows
 from gradian_lightning.errors import ConfigError, GradianError, MissingExtraError
 from gradian_lightning.extras import require_extra
-from gradian_lightning.hub import file_sha256, find_causal_lm, load_tokenizer_and_config, normalized_name
-from gradian_lightning.index.layout import stored_meta
+from gradian_lightning.hub import find_causal_lm, load_tokenizer_and_config, normalized_name
+from gradian_lightning.index.layout import IndexMeta, stored_meta
 from gradian_lightning.recipes.query import dense_scores
 from gradian_lightning.saved_models import load_saved_model
 from gradian_lightning.specs import QuerySpec
@@ -81,31 +82,35 @@ def run_validate(
     """
     require(cfg, "model.name_or_path", "data.train", "query.data")
     v, g = cfg.validate, cfg.grads
-    train_rows, queries = read_jsonl(cfg.data.train), read_jsonl(cfg.query.data)
+    fields = Fields.from_config(cfg.data)
+    # Rows by position from the memory-mapped source; the queries, a small set, as dicts.
+    train, query_set = open_rows(cfg.data.train, fields), open_rows(cfg.query.data, fields, "query.data")
+    queries = [fields.row(r) for r in query_set]
     scorers = [
         dict(s) for s in (OmegaConf.to_object(v.scorers) if OmegaConf.is_config(v.scorers) else v.scorers) or []
     ] or [{}]
     scoring = [_scoring_config(cfg, s) for s in scorers]  # bad scorers fail before any training
-    meta = stored_meta(str(cfg.index.path))
-    if meta is None:
+    stored = stored_meta(str(cfg.index.path))
+    if stored is None:
         raise ConfigError(
             f"setting 'index.path'={str(cfg.index.path)!r} holds no Gradian index; gradian validate scores with the index of data.train: build it first with gradian index and the same settings"
         )
-    indexed = (meta.get("data") or {}).get("sha256")
-    if indexed is not None and indexed != file_sha256(cfg.data.train):
+    indexed = IndexMeta.from_attrs(stored, repr(str(cfg.index.path))).data.get("fingerprint")
+    data_fingerprint = fingerprint_of(cfg.data.train, train)
+    if indexed is not None and indexed != data_fingerprint:
         raise ConfigError(
             f"setting 'data.train'={str(cfg.data.train)!r} is not the file the index at {str(cfg.index.path)!r} was built from; validate with the indexed data, or re-index"
         )
     base = (list(cfg.model.checkpoints or []) or [cfg.model.name_or_path])[0]
     plan = {
-        "data_sha256": file_sha256(cfg.data.train),
-        "queries_sha256": file_sha256(cfg.query.data),
+        "data_sha256": data_fingerprint,  # a file's fingerprint is its SHA-256, as these keys say
+        "queries_sha256": fingerprint_of(cfg.query.data, query_set),
         "base": normalized_name(str(base)),
         "max_seq_length": g.max_seq_length,
         "custom_module": module_factory is not None,
         **{k: v[k] for k in ("num_subsets", "alpha", "seed", "repeats", "epochs", "learning_rate", "batch_size")},
     }
-    runs = SubsetRuns(v.output, plan, len(train_rows))
+    runs = SubsetRuns(v.output, plan, len(train))
     make_module = module_factory or _default_factory(cfg, str(base))
     if trainer_kwargs is None:
         trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -120,7 +125,7 @@ def run_validate(
             started = time.perf_counter()
             module = make_module()
             model = find_causal_lm(module)
-            rows = [train_rows[i] for i in np.flatnonzero(runs.subsets[m])]
+            rows = [fields.row(train[int(i)]) for i in np.flatnonzero(runs.subsets[m])]
             fine_tune(module, rows, tokenizer, g.max_seq_length, v.batch_size, v.epochs, seed, trainer_kwargs)
             losses = query_losses(model, tokenizer, queries, g.max_seq_length, v.batch_size)
             if not np.isfinite(losses).all():
@@ -153,7 +158,7 @@ def run_validate(
             {"scorer": scorer_name(scorer), "query": q, "lds": _finite(x), "centred_lds": _finite(y)}
             for q, (x, y) in enumerate(zip(raw, centred))
         ]
-    noise = np.random.default_rng(v.seed).standard_normal((len(queries), len(train_rows)))
+    noise = np.random.default_rng(v.seed).standard_normal((len(queries), len(train)))
     report["random"] = _lds_entry(
         *(linear_datamodeling_score(noise, runs.subsets, outputs, centred=c) for c in (False, True))
     )

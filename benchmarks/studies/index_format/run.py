@@ -45,7 +45,6 @@ import numpy as np
 import torch
 
 from gradian_lightning import open_index
-from gradian_lightning.index.layout import module_blocks
 
 WORK = Path("/tmp/gradian-lds-sets")
 RESULTS = Path(__file__).parent / "results.json"
@@ -182,10 +181,7 @@ def exact_module_grads(path: Path, step: int, rows: int) -> List[torch.Tensor]:
     """The first `rows` rows of an exact index at checkpoint `step`, split into module gradients [n, out, in]."""
     index = open_index(path).reader.at(step)
     table = index.rows(slice(0, min(rows, len(index)))).double()
-    return [
-        table[:, b["offset"] : b["offset"] + b["shape"][0] * b["shape"][1]].reshape(len(table), *b["shape"])
-        for b in module_blocks(index.meta)
-    ]
+    return [table[:, b.offset : b.offset + b.size].reshape(len(table), *b.shape) for b in index.meta.blocks]
 
 
 def main() -> None:

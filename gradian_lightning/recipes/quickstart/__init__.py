@@ -10,7 +10,6 @@ to score the ranking afterwards (recall@k), never to make it.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Iterable, List
@@ -21,14 +20,14 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.data import JsonlDataset, collate, read_jsonl
-from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.query.rows import query_gradients
+from gradian_lightning.query.scorer import checkpoint_scorers
 from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
 from gradian_lightning.query.topk import open_index, score_all
-from gradian_lightning.recipes.query import results_for, write_results
-from gradian_lightning.recipes.report import report_data, scoring_text, write_report
+from gradian_lightning.recipes.query import describe_scoring, results_for, write_results
+from gradian_lightning.recipes.report import report_data, write_report
 from gradian_lightning.specs import QuerySpec
 from gradian_lightning.validation.retrain import FineTune
 
@@ -87,27 +86,20 @@ def write_quickstart_report(
 ):
     """The quickstart's report (recipes/report.py): scores of every row, each checkpoint's share, and
     the first `token_rows` rows' token terms summed over the checkpoints with their weights."""
-    chosen = checkpoint_weights(index.checkpoints, "all")
     summed = QuerySpec(score="cosine", checkpoints="all", precondition="none")
-    scores = score_all(index, rows, summed).numpy()
-    by_checkpoint = {
-        int(e["step"]): w * score_all(index, rows, replace(summed, checkpoints=(int(e["step"]),))).numpy()
-        for e, w in chosen
-    }
+    scorers = checkpoint_scorers(index.reader, rows, summed)
+    scores = score_all(scorers).numpy()
+    by_checkpoint = {scorer.index.step: score_all([scorer]).numpy() for scorer in scorers}
 
     def explain(q, wanted, positions):
         weighted = []
-        for entry, weight in chosen:
-            step = int(entry["step"])
-            model.load_state_dict(weights[step])
-            spec = QuerySpec(precondition="none")
-            weighted.append(
-                (weight, query_token_scores(index.at(step), model, tokenizer, queries[q], wanted, spec, rows[step][q]))
-            )
+        for scorer in scorers:  # precondition none: no shortcut, so these scorers give token terms too
+            model.load_state_dict(weights[scorer.index.step])
+            weighted.append((scorer.weight, query_token_scores(scorer, model, tokenizer, wanted, q)))
         return summed_over_checkpoints(weighted)
 
-    note = f"Token terms (first {token_rows} rows) are summed over the {len(chosen)} checkpoints, as the score is, and add up to it."
-    text = scoring_text(index, summed, len(chosen))
+    note = f"Token terms (first {token_rows} rows) are summed over the {len(scorers)} checkpoints, as the score is, and add up to it."
+    text = describe_scoring(scorers)
     return write_report(
         path, report_data(index, queries, train_rows, results, scores, by_checkpoint, explain, token_rows, text, note)
     )
