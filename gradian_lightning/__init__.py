@@ -9,6 +9,8 @@ stack (tests/test_layout.py fails on any import circle and names it):
     report/html.py             the static HTML page of a query run (gradian report)
     validation/                LDS: random subsets and their losses on disk, one retraining run, the score
     callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
+    hf_callback.py             HFGradientIndexer: the Hugging Face Trainer's evaluations or saves and ranks mapped onto
+                               the same IndexSession (no Lightning import)
     data_sources.py            data.train / query.data (any file, save_to_disk folder, hub name) -> a checked
                                datasets.Dataset; an index's rows read back from the sources its metadata names
     query/                     scoring: knows the store, never writes it
@@ -70,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 # --help` and a settings error then cost no torch, Lightning or transformers import (under 1 s).
 _WHERE = {
     "GradientIndexer": "callback",
+    "HFGradientIndexer": "hf_callback",
     "load_config": "config",
     "JsonlDataset": "data",
     "TokenizedRows": "data",
@@ -104,6 +107,7 @@ if TYPE_CHECKING:
     from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.gradients.loss import supervised_token_loss
     from gradian_lightning.gradients.projection import KroneckerProjector
+    from gradian_lightning.hf_callback import HFGradientIndexer
     from gradian_lightning.index.reader import IndexReader
     from gradian_lightning.index.session import IndexSession
     from gradian_lightning.index.writer import IndexWriter
@@ -117,6 +121,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GradianError",
     "GradientIndexer",
+    "HFGradientIndexer",
     "Index",
     "IndexReader",
     "IndexSession",
