@@ -1,13 +1,17 @@
 """Row statistics written when an index closes: equal to a dense float64 pass over the stored rows,
 whatever the order, the resumes or the slabs of modules the close sums at a time."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from gradian_lightning import open_index
 from gradian_lightning.index import layout, statistics
 from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query.precondition import preconditioner
 
 N, D = 11, 8
 MODULES = [{"name": "a", "offset": 0, "size": 4}, {"name": "b", "offset": 4, "size": 4}]
@@ -139,8 +143,6 @@ def test_int8_rows_read_back_a_module_at_a_time_equal_dense_float64(tmp_path, mo
 
 
 def test_an_index_without_statistics_is_read_in_one_pass(tmp_path):
-    import zarr
-
     writer = IndexWriter(tmp_path / "ix", N, D, "float16", META)
     write(writer, range(N))
     writer.close()
@@ -172,3 +174,146 @@ def test_a_close_killed_half_way_leaves_statistics_that_readers_ignore_and_a_rer
     rerun = IndexWriter(tmp_path / "ix", N, D, "float16", META)
     assert rerun.kept_rows == N and rerun.close()
     check(open_index(tmp_path / "ix"))
+
+
+# Below s = k² counted rows, F = RᵀR / rows has rank <= rows and the statistics keep only the first r =
+# rows eigenvectors of each module (the thin form): 16-wide modules (k = 4), 9 of the 11 rows counted.
+THIN = [{"name": "a", "offset": 0, "size": 16}, {"name": "b", "offset": 16, "size": 16}]
+THIN_D = 32
+
+
+def thin_rows():
+    """float32 [N, 32]: correlated coordinates of very different scales (whitening changes the
+    ranking), row 4 non-finite and row 6 unsupervised as in `rows`; and the supervised counts."""
+    g = torch.Generator().manual_seed(1)
+    mix = torch.randn(THIN_D, THIN_D, generator=g) * torch.logspace(-2, 1, THIN_D)
+    grads = torch.randn(N, THIN_D, generator=g) @ mix
+    grads[4] = float("nan")
+    supervised = torch.full((N,), 3)
+    supervised[6] = 0
+    return grads, supervised
+
+
+def thin_index(path, order=range(N)):
+    grads, supervised = thin_rows()
+    writer = IndexWriter(path, N, THIN_D, "float32", {**META, "modules": THIN})
+    for i in order:
+        writer.write([i], grads[i : i + 1], torch.ones(1), supervised[i : i + 1], torch.zeros(1), [f"r{i}"])
+    assert writer.close()
+    return open_index(path)
+
+
+def thin_dense():
+    """float64 [9, 32] counted rows and [2, 16, 16] each module's F = RᵀR / 9, dense."""
+    grads, _ = thin_rows()
+    counted = grads[[i for i in range(N) if i not in (4, 6)]].double().numpy()
+    blocks = [counted[:, b["offset"] : b["offset"] + 16] for b in THIN]
+    return counted, np.stack([r.T @ r / len(r) for r in blocks])
+
+
+def inverse_root(f, damping):
+    """(F + λI)^-½, λ = damping × F's mean eigenvalue, from a dense float64 eigh."""
+    w, v = np.linalg.eigh(f + damping * np.trace(f) / len(f) * np.eye(len(f)))
+    return (v / np.sqrt(w)) @ v.T
+
+
+def test_below_k2_rows_the_statistics_keep_as_many_eigenvectors_as_rows(tmp_path):
+    """eigvecs [M, s, r], r = 9 counted rows, not [M, s, s]: eigvals are all s of F's, 0 past the
+    first r, and V diag(w) Vᵀ is the dense F; the bytes are what statistics_bytes predicts."""
+    index = thin_index(tmp_path / "ix")
+    group = index.group["statistics"]
+    assert group["eigvecs"].shape == (2, 16, 9) and group["eigvals"].shape == (2, 16)
+    w, v = group["eigvals"][:], group["eigvecs"][:].astype(np.float64)
+    assert (w[:, 9:] == 0).all()
+    np.testing.assert_allclose(np.einsum("msr,msq->mrq", v, v), np.broadcast_to(np.eye(9), (2, 9, 9)), atol=1e-6)
+    f = thin_dense()[1]
+    np.testing.assert_allclose(np.einsum("mij,mj,mkj->mik", v, w[:, :9], v), f, rtol=0, atol=1e-6 * np.abs(f).max())
+    stored = sum(group[name].nbytes for name in ("sumsq", "eigvals", "eigvecs", "whitened_norms"))
+    assert stored == statistics.statistics_bytes(THIN, THIN_D, 9) + 2 * 4 * (N - 9)  # norms of every row
+
+
+@pytest.mark.parametrize("precondition", ["fisher", "ekfac", "diag"])
+@pytest.mark.parametrize("damping", [1.0, 0.1])
+def test_the_thin_form_scores_as_the_full_one(tmp_path, precondition, damping):
+    """Scores from the stored thin eigenvectors equal those of the full s×s eigendecomposition a
+    reader makes from the rows (statistics deleted), to float32 rounding: inner products, whole-row
+    and per-module cosine (at damping 1.0 fisher's cosine divides by the stored whitened norms)."""
+    thin = thin_index(tmp_path / "thin")
+    thin_index(tmp_path / "full")
+    del zarr.open_group(str(tmp_path / "full"), mode="r+")["statistics"]
+    full = open_index(tmp_path / "full")
+    g = torch.Generator().manual_seed(2)
+    queries = torch.randn(3, THIN_D, generator=g) * torch.logspace(-2, 1, THIN_D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fisher below k² rows warns that F is rank-deficient: known here
+        for score, normalize in (("inner", "row"), ("cosine", "row"), ("cosine", "module")):
+            kw = dict(precondition=precondition, damping=damping, score=score, normalize=normalize)
+            got, want = thin.score_all(queries, **kw).double(), full.score_all(queries, **kw).double()
+            assert torch.isnan(got[:, [4, 6]]).all() and not torch.isnan(got[:, [0, 1, 2, 3, 5, 7, 8, 9, 10]]).any()
+            torch.testing.assert_close(
+                got, want, rtol=2e-5, atol=2e-5 * float(want.nan_to_num().abs().max()), equal_nan=True
+            )
+        factors = preconditioner(thin, precondition, damping)
+    if precondition == "fisher":  # and against a dense float64 (F + λI)^-½
+        want = np.stack([inverse_root(f, damping) for f in thin_dense()[1]])
+        np.testing.assert_allclose(factors.factors.double().numpy(), want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_the_thin_form_whitened_norms_equal_dense_float64(tmp_path):
+    """|(F + λI)^-½ r| of every row, counted or not, with F of rank 9 < 16: the directions no
+    counted row visited weigh λ^-½."""
+    index = thin_index(tmp_path / "ix")
+    grads, _ = thin_rows()
+    values = torch.nan_to_num(grads, nan=0.0).double().numpy()
+    values[4] = 0.0  # a non-finite row is stored as zeros
+    want = np.stack(
+        [
+            np.linalg.norm(values[:, 16 * m : 16 * m + 16] @ inverse_root(f, index.whitened_damping), axis=1)
+            for m, f in enumerate(thin_dense()[1])
+        ],
+        axis=1,
+    )
+    np.testing.assert_allclose(index.whitened_norms(0, N).numpy(), want, rtol=1e-5)
+
+
+def test_the_thin_form_one_module_a_pass_equals_all_at_once(tmp_path, monkeypatch):
+    whole = thin_index(tmp_path / "whole", order=[5, 0, 9, 3, 1, 10, 2, 8, 4, 7, 6])
+    monkeypatch.setattr(statistics, "GRAM_SLAB_BYTES", 9 * 16 * 8)  # one module's 9 counted rows in float64
+    monkeypatch.setattr(statistics, "READ_BYTES", 1)  # one chunk of rows per read
+    monkeypatch.setattr(statistics, "NORM_ROWS", 8)
+    slabs = thin_index(tmp_path / "slabs")
+    assert slabs.group["statistics"]["whitened_norms"].chunks[1] == 1
+    torch.testing.assert_close(slabs.whitened_norms(0, N), whole.whitened_norms(0, N), rtol=1e-6, atol=0)
+    for name in ("eigvals", "eigvecs", "sumsq"):
+        np.testing.assert_array_equal(slabs.group["statistics"][name][:], whole.group["statistics"][name][:])
+
+
+def test_a_thin_close_killed_half_way_is_ignored_by_readers_and_redone_by_a_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(statistics, "GRAM_SLAB_BYTES", 9 * 16 * 8)  # one module a slab: the first is written
+    calls = []
+
+    def dies_on_the_second_module(rows, count):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return thin_eigen(rows, count)
+
+    thin_eigen = statistics._thin_eigen
+    monkeypatch.setattr(statistics, "_thin_eigen", dies_on_the_second_module)
+    grads, supervised = thin_rows()
+    writer = IndexWriter(tmp_path / "ix", N, THIN_D, "float32", {**META, "modules": THIN})
+    writer.write(range(N), grads, torch.ones(N), supervised, torch.zeros(N), [f"r{i}" for i in range(N)])
+    with pytest.raises(KeyboardInterrupt):
+        writer.close()
+    index = open_index(tmp_path / "ix")
+    assert "eigvecs" in index.group["statistics"].array_keys()  # half written ...
+    assert statistics.finished_statistics(index.group) is None and index.whitened_damping is None
+    assert index.statistics().gram is not None  # ... so a reader sums its own from the rows
+    monkeypatch.setattr(statistics, "_thin_eigen", thin_eigen)
+    rerun = IndexWriter(tmp_path / "ix", N, THIN_D, "float32", {**META, "modules": THIN})
+    assert rerun.kept_rows == N and rerun.close()
+    index = open_index(tmp_path / "ix")
+    assert index.group["statistics"]["eigvecs"].shape == (2, 16, 9)
+    torch.testing.assert_close(
+        index.whitened_norms(0, N), thin_index(tmp_path / "once").whitened_norms(0, N), rtol=0, atol=0
+    )
