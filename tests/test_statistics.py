@@ -317,3 +317,17 @@ def test_a_thin_close_killed_half_way_is_ignored_by_readers_and_redone_by_a_reru
     torch.testing.assert_close(
         index.whitened_norms(0, N), thin_index(tmp_path / "once").whitened_norms(0, N), rtol=0, atol=0
     )
+
+
+def test_a_long_close_prints_a_progress_line_and_a_short_one_nothing(tmp_path, monkeypatch, capsys):
+    """The close's statistics show a bar of modules done (M eigendecompositions, then M modules'
+    whitened norms) once they take CLOSE_PROGRESS_DELAY_S; a close quicker than that stays silent."""
+    from gradian_lightning.index import writer as writer_module
+
+    thin_index(tmp_path / "quick")
+    assert "row statistics" not in capsys.readouterr().err
+    monkeypatch.setattr(writer_module, "CLOSE_PROGRESS_DELAY_S", 0)
+    monkeypatch.setattr(statistics, "GRAM_SLAB_BYTES", 9 * 16 * 8)  # a pass per module: the bar moves
+    thin_index(tmp_path / "slow")
+    err = capsys.readouterr().err
+    assert "closing the index: row statistics" in err and "/4 " in err, err

@@ -89,6 +89,12 @@ def statistics_bytes(blocks: Sequence[Dict[str, Any]], width: int, rows: int) ->
     return total
 
 
+def statistics_steps(blocks: Sequence[Dict[str, Any]], width: int, damping: Optional[float]) -> int:
+    """The steps `write_statistics` reports to its progress bar: a step per module's statistics, and
+    where it writes whitened norms (`damping`, second moments kept), one more per module's norms."""
+    return len(blocks) * (2 if damping is not None and gram_block_size(blocks, width) is not None else 1)
+
+
 def whitening_scales(eigvals: np.ndarray, damping: float) -> Optional[np.ndarray]:
     """(w + λ)^-½ [s] float64 of one module from F's eigenvalues w [s] >= 0, λ = `damping` × their
     mean; None for a module whose rows are all zero (mean eigenvalue 0): nothing to whiten."""
@@ -221,8 +227,8 @@ def write_statistics(
     decodes them (float32 [hi - lo, (b - a)·s], or [hi - lo, D] when a, b = 0, M), `keep` [N] bool
     marks the counted rows (`counted`, and complete), `chunk` and `row_bytes` are the grads array's
     rows per chunk and bytes per stored row. With `damping`, also each row's whitened module norms
-    at that damping (module docstring: why). `progress`, a tqdm bar, is given its total (modules,
-    twice with `damping`) and updated as each module's statistics, then its norms, are written.
+    at that damping (module docstring: why). `progress`, a tqdm bar of `statistics_steps` steps, is
+    updated as each module's statistics, then its whitened norms, are written.
 
     One pass over the rows per slab of modules (GRAM_SLAB_BYTES of gram, or below s counted rows of
     the counted rows themselves, at a time), and where whitened norms are written, one more: pass p
@@ -242,8 +248,6 @@ def write_statistics(
     num_rows, modules, count = len(keep), len(blocks), int(keep.sum())
     size = gram_block_size(blocks, width)
     sumsq = np.zeros(width)
-    if progress is not None:
-        progress.reset(total=modules * (2 if size is not None and damping is not None else 1))
     if size is None:  # no gram: one pass for the per-coordinate sums
         for lo in range(0, num_rows, chunk):
             hi = min(lo + chunk, num_rows)

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import zarr
+from tqdm.auto import tqdm
 
 from gradian_lightning.data_sources import ID_BATCH, id_hashes, index_segments
 from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
@@ -39,8 +40,14 @@ from gradian_lightning.index.statistics import (
     WHITENED_DAMPING,
     WHITENED_NORMS_DAMPING,
     counted,
+    statistics_steps,
     write_statistics,
 )
+
+# The close's progress line (`IndexWriter.close`) shows once its statistics have taken this long:
+# a close of a few seconds (k <= 16, or few rows) prints nothing, a long one (k = 32 from 1,024 rows:
+# one 1,024² eigendecomposition a module) says what it is doing and how far it is.
+CLOSE_PROGRESS_DELAY_S = 2.0
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -381,16 +388,27 @@ class IndexWriter:
                     self._flush(c)
                 complete = bool(self.done.all())
                 keep = self.done & counted(self.group["finite"][:], self.group["supervised_tokens"][:])
-                write_statistics(
-                    self.group,
-                    self._decoded,
-                    keep,
-                    self.blocks,
-                    self.width,
-                    self.chunk,
-                    self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
-                    WHITENED_NORMS_DAMPING if complete and self.store_norms else None,
-                )
+                damping = WHITENED_NORMS_DAMPING if complete and self.store_norms else None
+                # Like Lightning's validation bar, gone when done: the summary line follows it.
+                with tqdm(
+                    total=statistics_steps(self.blocks, self.width, damping),
+                    desc="closing the index: row statistics",
+                    unit="module",
+                    delay=CLOSE_PROGRESS_DELAY_S,
+                    leave=False,
+                    dynamic_ncols=True,
+                ) as bar:
+                    write_statistics(
+                        self.group,
+                        self._decoded,
+                        keep,
+                        self.blocks,
+                        self.width,
+                        self.chunk,
+                        self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
+                        damping,
+                        progress=bar,
+                    )
                 self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
         finally:
             self._release()
