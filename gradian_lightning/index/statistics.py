@@ -19,9 +19,10 @@ the rest of the space, where (F + λI)^-½ is λ^-½: (F + λI)^-½ = V diag((w 
 holds all of it (`whitening_factor`), and so do EK-FAC's partial traces and corrected eigenvalues
 (`kronecker_whitening_factor`), which are sums over V's columns. So the statistics of N < s rows are
 4·M·s·N bytes, 4× the int8 rows themselves, not the 377 MB of s vectors a module at SmolLM2's MLP
-at k = 32, and the close takes a thin SVD of each module's [N, s] rows (`_thin_eigen`, O(N²s))
-instead of summing an s×s gram and solving it (O(s³)): both grow with N up to the full form at
-N >= s, where summing the gram is cheaper than holding the rows.
+at k = 32. Up to s/2 rows (SVD_MAX_ROWS) the close takes a thin SVD of each module's [N, s] rows
+(`_thin_eigen`, O(N²s + N³)) instead of summing an s×s gram and solving it (O(Ns² + s³)); from
+there the gram's eigh is the cheaper of the two, and the top r of its vectors are kept. Bytes and
+time both grow with N up to the full form at N >= s.
 
 Why the whitened norms are stored: with them a fisher query whitens only its own rows, twice
 (qᵀ(F + λI)⁻¹r = (W²q)·r), and scores a chunk as the none path does, one scaled decode and one
@@ -168,19 +169,35 @@ ADD_ROWS = 4096  # rows RowStatistics.add converts to float64 at once
 # 64 MiB slab still lifted the close 0.18 GiB above the capture's own peak (benchmarks/RESULTS.md
 # §10). A pass rereads the rows (from the page cache, for an index that fits in memory) but decodes
 # and multiplies only its slab's columns: the multiply-adds are the same however the modules are split.
-# Below s counted rows a module holds its counted rows instead of its gram (float64 [rows, s], the
-# thin form): as many modules a slab as fit the same bytes, 32 at 64 rows and k = 32.
+# Up to s/2 counted rows a module holds its counted rows instead of its gram (float64 [rows, s], for
+# `_thin_eigen`): as many modules a slab as fit the same bytes, 32 at 64 rows and k = 32.
 GRAM_SLAB_BYTES = 16 << 20
 # A read of rows at close: at most this many bytes of stored rows (zarr reads whole grads chunks,
 # every column) and of the float64 copies of its slabs' columns.
 READ_BYTES = 16 << 20
 NORM_ROWS = 4096  # rows of a whitened_norms chunk, at least (whole reads of rows: no chunk is rewritten)
+# The most counted rows, as a share of s, whose eigenvectors come from an SVD of the rows themselves:
+# its O(N²s + N³) passes eigh's O(s³) on the gram near s/2 (at 512 SmolLM2-layout rows the SVD close
+# took 64 s, the 1,024-row eigh close 110 s, and an SVD of 1,023 rows would cost 2-3x eigh).
+SVD_MAX_ROWS = 0.5
 
 
 def _eigen(mean_gram: np.ndarray) -> tuple:
     # eigh of a mean second moment; rounding can leave tiny negative eigenvalues, which are 0.
     w, v = np.linalg.eigh(mean_gram)
     return np.clip(w, 0.0, None), v
+
+
+def _top_eigen(mean_gram: np.ndarray, rank: int) -> tuple:
+    """(w [s], V [s, r]) of a mean second moment of `rank` = r <= s rows from its eigh (`_eigen`):
+    all s pairs when r = s, else the top r, with w[r:] = 0 (what rounding left there: F's rank is
+    at most r)."""
+    w, v = _eigen(mean_gram)
+    if rank == len(w):
+        return w, v
+    top = np.zeros_like(w)
+    top[:rank] = w[-rank:][::-1]
+    return top, v[:, -rank:][:, ::-1]
 
 
 def _thin_eigen(rows: np.ndarray, count: int) -> tuple:
@@ -258,8 +275,9 @@ def write_statistics(
             progress.update(modules)
         return
     rank = stored_rank(size, count)
-    thin = rank < size  # F has rank <= count: keep the counted rows, not the s×s gram (module docstring)
-    per_slab = min(modules, max(1, GRAM_SLAB_BYTES // (rank * size * 8)))
+    thin = rank < size  # F has rank <= count: r < s vectors kept (module docstring)
+    hold_rows = count <= SVD_MAX_ROWS * size  # the counted rows themselves, for `_thin_eigen`, not a gram
+    per_slab = min(modules, max(1, GRAM_SLAB_BYTES // ((rank if hold_rows else size) * size * 8)))
     slabs = [(a, min(a + per_slab, modules)) for a in range(0, modules, per_slab)]
     # Rows a read takes: whole grads chunks, READ_BYTES of them stored and of two slabs in float64.
     step = max(1, min(READ_BYTES // row_bytes, READ_BYTES // (2 * per_slab * size * 8)) // chunk) * chunk
@@ -287,12 +305,14 @@ def write_statistics(
         gram_slab = slabs[p] if p < len(slabs) else None
         a = whitening[0] if whitening is not None else gram_slab[0]
         b = gram_slab[1] if gram_slab is not None else whitening[1]
-        # The slab's gram [b - a, s, s], or (thin) its counted rows' columns [count, (b - a)·s]
+        # The slab's gram [b - a, s, s], or (hold_rows) its counted rows' columns [count, (b - a)·s]
         moments = None
         if gram_slab is not None:
             width_of_slab = (gram_slab[1] - gram_slab[0]) * size
-            moments = np.empty((count, width_of_slab)) if thin else np.zeros((gram_slab[1] - gram_slab[0], size, size))
-        filled = 0  # thin: counted rows copied into `moments` so far
+            moments = (
+                np.empty((count, width_of_slab)) if hold_rows else np.zeros((gram_slab[1] - gram_slab[0], size, size))
+            )
+        filled = 0  # hold_rows: counted rows copied into `moments` so far
         written, pending = 0, []  # whitened norms of rows written..lo-1, not yet in a whole chunk
         for lo in range(0, num_rows, step):
             hi = min(lo + step, num_rows)
@@ -300,7 +320,7 @@ def write_statistics(
             if gram_slab is not None:
                 columns = rows[:, (gram_slab[0] - a) * size :][torch.from_numpy(keep[lo:hi])]
                 _add_sumsq(sumsq[gram_slab[0] * size : gram_slab[1] * size], columns)
-                if thin:
+                if hold_rows:
                     moments[filled : filled + len(columns)] = columns.numpy()
                     filled += len(columns)
                 else:
@@ -324,10 +344,10 @@ def write_statistics(
             for m in range(ga, gb):
                 # The eigendecomposition of the mean second moment, once per index: a query's
                 # (F + λI)^-½ for any damping λ is then V diag((w + λ)^-½) Vᵀ, no eigh per query.
-                if thin:
+                if hold_rows:
                     eigvals[m], vectors = _thin_eigen(moments[:, (m - ga) * size : (m - ga + 1) * size], count)
                 else:
-                    eigvals[m], vectors = _eigen(moments[m - ga] / max(count, 1))
+                    eigvals[m], vectors = _top_eigen(moments[m - ga] / max(count, 1), rank)
                 vectors = vectors.astype(np.float32)  # as stored: the norms are of what queries whiten with
                 eigvecs[m] = vectors
                 if basis is not None:
