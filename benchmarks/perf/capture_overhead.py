@@ -233,15 +233,21 @@ def cli_comparison(args: argparse.Namespace) -> None:
                     cmd = [sys.executable, "-m", "gradian_lightning.cli", "index", f"model.name_or_path={SMOLLM2}"]
                     cmd += [f"data.train={data}", f"index.path={out}", f"grads.batch_size={args.batch_size}"]
                     cmd += [f"grads.max_seq_length={args.seq_len}"]
-                side_env = {**env, "PYTHONPATH": args.baseline} if side.endswith("(baseline)") else env
+                # The baseline runs in its own folder: `python -m` and `-c` put the working folder first on sys.path.
+                baseline = side.endswith("(baseline)")
+                side_env, cwd = ({**env, "PYTHONPATH": args.baseline}, args.baseline) if baseline else (env, ROOT)
                 load = os.getloadavg()[0]
-                result = measure_command(cmd, env=side_env, cwd=ROOT)
+                result = measure_command(cmd, env=side_env, cwd=cwd)
                 if result["rc"] != 0:
                     raise SystemExit(f"{side} failed (exit {result['rc']}):\n{result['stderr']}")
                 result["load"] = (load + os.getloadavg()[0]) / 2
                 if side != "plain":
                     done = subprocess.run(
-                        [sys.executable, "-c", _CLOSE_AGAIN, str(out)], env=side_env, capture_output=True, text=True
+                        [sys.executable, "-c", _CLOSE_AGAIN, str(out)],
+                        env=side_env,
+                        cwd=cwd,
+                        capture_output=True,
+                        text=True,
                     )
                     if done.returncode != 0:
                         raise SystemExit(f"closing {side}'s index again failed:\n{done.stderr[-3000:]}")
@@ -290,7 +296,7 @@ def cli_comparison(args: argparse.Namespace) -> None:
         f"medians of {args.repeats} alternating fresh-process runs per side, whole process under a watcher. "
         f"Load average (1 min) while they ran: {loads[0]:.1f} to {loads[-1]:.1f}, median {statistics.median(loads):.1f} on 2 cores. "
         "CPU: user + system seconds of the whole process (what the load takes least away from). Close: a fresh process reopening the index and closing it again. Statistics / rows: bytes on disk of the statistics group over the rows' raw bytes."
-        + (f" Baseline: the same command from {args.baseline}." if args.baseline else "")
+        + (f" Baseline: the same command run in and from {args.baseline}." if args.baseline else "")
     )
     header = [
         "process",
