@@ -203,8 +203,8 @@ def _top_eigen(mean_gram: np.ndarray, rank: int) -> tuple:
 
 def _thin_eigen(rows: np.ndarray, count: int) -> tuple:
     """(w [s] float64 >= 0, V [s, r] float64) of one module's F = RᵀR / count from its counted rows
-    R [count, s] float64 themselves, count < s: the thin SVD R / √count = U S Vᵀ gives F's first
-    r = count eigenpairs (S², V), and w[r:] = 0. O(count²·s), against eigh's O(s³) on the gram;
+    R [count, s] float64 themselves, count <= s/2 (SVD_MAX_ROWS): the thin SVD R / √count = U S Vᵀ
+    gives F's first r = count eigenpairs (S², V), and w[r:] = 0. O(count²·s), against eigh's O(s³);
     and V is orthonormal however small S gets, which V = RᵀU/S from the count×count gram is not."""
     w = np.zeros(rows.shape[1])
     if count == 0:
@@ -248,8 +248,8 @@ def write_statistics(
     at that damping (module docstring: why). `progress`, a tqdm bar of `statistics_steps` steps, is
     updated as each module's statistics, then its whitened norms, are written.
 
-    One pass over the rows per slab of modules (GRAM_SLAB_BYTES of gram, or below s counted rows of
-    the counted rows themselves, at a time), and where whitened norms are written, one more: pass p
+    One pass over the rows per slab of modules (GRAM_SLAB_BYTES of gram, or up to s/2 counted rows
+    of the counted rows themselves, at a time), and where whitened norms are written, one more: pass p
     sums slab p's moments and writes slab p-1's whitened norms, from the eigenvectors the end of
     pass p-1 made. So memory is a slab, not the M·k⁴ gram, and the statistics are a function of the
     stored rows alone, however many runs wrote them.
