@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 import zarr
+from tqdm.auto import tqdm
 
 from gradian_lightning.data import ID_BATCH, id_hashes
 from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
@@ -40,9 +41,15 @@ from gradian_lightning.index.statistics import (
     STATISTICS_GROUP,
     WHITENED_DAMPING,
     counted,
+    statistics_steps,
     write_statistics,
 )
 from gradian_lightning.specs import DEFAULT_DAMPING
+
+# The close's progress line (`IndexWriter.close`) shows once its statistics have taken this long:
+# a close of a few seconds (k <= 16, or few rows) prints nothing, a long one (k = 32 from 1,024 rows:
+# one 1,024² eigendecomposition a module) says what it is doing and how far it is.
+CLOSE_PROGRESS_DELAY_S = 2.0
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -438,16 +445,27 @@ class IndexWriter:
                     self._flush(c)
                 complete = bool(self.done.all())
                 keep = self.done & counted(self.group["finite"][:], self.group["supervised_tokens"][:])
-                write_statistics(
-                    self.group,
-                    self._decoded,
-                    keep,
-                    self.blocks,
-                    self.width,
-                    self.chunk,
-                    self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
-                    DEFAULT_DAMPING if complete else None,  # the default query's damping: it never whitens a chunk
-                )
+                damping = DEFAULT_DAMPING if complete else None  # the default query's damping: it never whitens a chunk
+                # Like Lightning's validation bar, gone when done: the summary line follows it.
+                with tqdm(
+                    total=statistics_steps(self.blocks, self.width, damping),
+                    desc="closing the index: row statistics",
+                    unit="module",
+                    delay=CLOSE_PROGRESS_DELAY_S,
+                    leave=False,
+                    dynamic_ncols=True,
+                ) as bar:
+                    write_statistics(
+                        self.group,
+                        self._decoded,
+                        keep,
+                        self.blocks,
+                        self.width,
+                        self.chunk,
+                        self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
+                        damping,
+                        progress=bar,
+                    )
                 self.group.attrs[ATTRIBUTE] = {**self.attrs, **(extra_meta or {}), "complete": complete}
         finally:
             self._release()
