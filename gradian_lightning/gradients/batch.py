@@ -77,7 +77,8 @@ class GradientRows:
         modules: the modules to capture, by name, instead of `select_modules(model, spec.module_filter)`
             (a query takes the index's modules by the names it stored).
 
-    Calling it with a batch gives (rows [B, D] float32, losses [B] float32 nats); `projector.width`
+    Calling it with a batch gives (rows [B, D] float32, losses [B] float32 nats), or with
+    `per_position=True` each position's part of the rows ([B, T, D], token scores); `projector.width`
     is D and `projector.describe()` the row layout. The model's parameters, their `.grad` and
     `requires_grad`, every submodule's train/eval mode and the caller's RNG are left as they were.
     """
