@@ -22,6 +22,7 @@ SCRIPTS = {  # module -> a row its smoke table must hold
     "perf.loss_memory": "| 2 | 32 | 25% |",
     "perf.loss_chunking": "| 2 | 32 | 8 |",
     "perf.query_throughput": "| 8 |",
+    "perf.report_cost": "| tiny | 12 | 2 |",
     "perf.index_size": "| all Linear |",
     "perf.dask_engine": "| dask (dask_topk) |",
     "perf.data_memory": "| 2,000 |",
