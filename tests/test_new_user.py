@@ -146,7 +146,7 @@ def test_overwrite_recomputes_an_index_of_the_same_settings(tmp_path, saved_mode
     from gradian_lightning.recipes.index import run_index
 
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    digest = lambda path: read_meta(path)["model"]["weights_sha256"]  # noqa: E731
+    digest = lambda path: read_meta(path).model["weights_sha256"]  # noqa: E731
     run_index(tiny_settings(saved_model, data, tmp_path / "ix"))
     old, was = open_index(tmp_path / "ix").rows(slice(None)), digest(tmp_path / "ix")
     make_model(len(tokenizer), seed=1).save_pretrained(saved_model)  # the model, trained on: other weights

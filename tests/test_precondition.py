@@ -1,5 +1,6 @@
 """query.precondition: diag and fisher against a dense float64 computation; never NaN or inf."""
 
+import pickle
 import warnings
 
 import numpy as np
@@ -193,6 +194,12 @@ def test_fisher_at_the_stored_damping_needs_no_whitening_of_the_rows(tmp_path, s
         index.whitened_norms(0, N).numpy(), np.sqrt(np.stack([tt for _, _, tt in metric], axis=1)), rtol=1e-5
     )
     fast = all_scores(index, queries, score=score, normalize=normalize, precondition="fisher", damping=DEFAULT_DAMPING)
+    # A scorer sent to a Dask worker has no reader, so no stored norms: it whitens rows for their norms.
+    spec = QuerySpec(score=score, normalize=normalize, precondition="fisher")
+    scorer = Scorer(index, spec).prepare(torch.as_tensor(queries, dtype=torch.float32))
+    worker, rows = pickle.loads(pickle.dumps(scorer)), index.rows(slice(None))
+    assert worker.index is None and worker.shortcut
+    torch.testing.assert_close(worker.score(rows.clone()), scorer.score(rows.clone(), 0, N), rtol=1e-4, atol=1e-6)
     cross = sum(c for c, _, _ in metric)
     if score == "inner":
         want = cross

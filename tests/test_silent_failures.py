@@ -64,9 +64,16 @@ def test_a_refused_run_leaves_no_lock_file(tmp_path):
 
 
 def test_the_weights_mismatch_names_no_missing_model():
-    phrase = _other_weights("aaaa", "bbbb", None, {"global_step": 0})
+    from gradian_lightning.index.layout import FORMAT_VERSION, IndexMeta
+
+    def meta(**more):
+        return IndexMeta.from_attrs(
+            {"format_version": FORMAT_VERSION, "num_rows": 1, "modules": [], "spec": {}, **more}
+        )
+
+    phrase = _other_weights("aaaa", "bbbb", None, meta(global_step=0))
     assert phrase.endswith("(weights digest aaaa here, bbbb in the index)")
-    assert _other_weights("aaaa", "bbbb", "/m", {}).endswith("built from '/m')")
+    assert _other_weights("aaaa", "bbbb", "/m", meta()).endswith("built from '/m')")
 
 
 def test_index_prints_no_advert_and_a_late_error_on_its_own_line(tmp_path, tokenizer, capsys):

@@ -226,7 +226,7 @@ def test_a_parquet_file_with_renamed_columns_validates_as_its_jsonl_twin(tmp_pat
             *mapped,
         ]
         assert main(["index", *common]) == 0
-        settings = ["validate.num_subsets=3", "validate.epochs=1", "validate.batch_size=4"]
+        settings = ["validate.num_subsets=5", "validate.epochs=1", "validate.batch_size=4"]
         assert main(["validate", *common, f"validate.output={folder / 'out'}", *settings]) == 0
         reports.append(json.loads((folder / "out" / "lds.json").read_text()))
     capsys.readouterr()

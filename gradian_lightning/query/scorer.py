@@ -142,6 +142,9 @@ class Scorer:
         index (stored, or whitened under the shortcut) instead of computing them.
         """
         norms = self._norms(lo, hi)
+        if self.shortcut and norms is None and self.spec.score == "cosine":
+            # No stored whitened norms at hand (a Dask worker has no reader): whiten a copy for them.
+            norms = module_norms(self.preconditioner(rows), self.blocks)
         if self.transform is not None:
             rows = self.transform(rows)
         by_module = self.spec.score == "cosine" and self.spec.normalize == "module"
