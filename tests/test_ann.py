@@ -2,22 +2,28 @@
 exactly. Its recall against the exact scan, its scores against the exact scorer's, the refusal
 without the extra, and a build killed half-way is rebuilt, never searched."""
 
-import builtins
+import importlib.util
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import WORDS, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
+from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError, MissingExtraError
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query import ann
 from gradian_lightning.query.scorer import checkpoint_scorers
 from gradian_lightning.query.topk import streaming_topk
+from gradian_lightning.recipes.index import run_index
+from gradian_lightning.recipes.query import run_query
 from gradian_lightning.specs import QuerySpec
 
-pytest.importorskip("faiss")
+# The `ann` extra; `dev` installs it, so CI runs these. The refusal without it runs either way.
+needs_faiss = pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="faiss-cpu (the ann extra)")
 
 N, MODULES, SIZE = 3000, 4, 64  # 4 modules of k² = 64: D = 256
 D = MODULES * SIZE
@@ -64,6 +70,7 @@ def recall(exact, approximate) -> float:
     return sum(hits) / exact.indices.numel()
 
 
+@needs_faiss
 @pytest.mark.parametrize(
     "settings",
     [
@@ -79,6 +86,7 @@ def test_recall_at_10_against_the_exact_scan(index_path, settings):
     assert 7 not in approximate.indices
 
 
+@needs_faiss
 def test_rescored_scores_are_the_exact_scorers(index_path):
     _, approximate = both(index_path, search="ann", ann_candidates=30)
     every = open_index(index_path).score_all(queries())  # the exact scan's scores of every row, [Q, N]
@@ -87,6 +95,7 @@ def test_rescored_scores_are_the_exact_scorers(index_path):
     assert (approximate.scores[:, :-1] >= approximate.scores[:, 1:]).all()
 
 
+@needs_faiss
 def test_bottom_k_comes_from_the_negated_queries(index_path):
     index = open_index(index_path)
     spec = QuerySpec(search="ann", bottom_k=5, precondition="none")
@@ -96,12 +105,14 @@ def test_bottom_k_comes_from_the_negated_queries(index_path):
     assert (approximate.scores < 0).all()
 
 
+@needs_faiss
 def test_the_build_is_kept_and_reused(index_path, monkeypatch):
     both(index_path, search="ann", precondition="none")  # built (or already there)
     monkeypatch.setattr(ann, "build_shard", lambda *a: pytest.fail("a finished ANN index was rebuilt"))
     both(index_path, search="ann", precondition="none")
 
 
+@needs_faiss
 def test_a_killed_build_is_rebuilt_never_searched(tmp_path, index_path, monkeypatch):
     import shutil
 
@@ -134,6 +145,7 @@ def test_a_killed_build_is_rebuilt_never_searched(tmp_path, index_path, monkeypa
     assert sum(s.ntotal for s in opened.shards) == N - 1  # every rankable row: all but row 7
 
 
+@needs_faiss
 def test_an_index_that_changed_is_rebuilt(tmp_path, index_path):
     import shutil
 
@@ -150,20 +162,19 @@ def test_an_index_that_changed_is_rebuilt(tmp_path, index_path):
 
 
 def test_without_the_extra_the_refusal_is_one_line(index_path, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_faiss(name, *args, **kwargs):
-        if name == "faiss" or name.startswith("faiss."):
-            raise ImportError("No module named 'faiss'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_faiss)
-    monkeypatch.delitem(__import__("sys").modules, "faiss")
+    monkeypatch.setitem(sys.modules, "faiss", None)  # what an environment without faiss-cpu imports
+    refusal = (
+        "setting 'query.search'='ann' needs faiss, which is not installed here; "
+        + 'pip install "gradian-lightning[ann]"'
+    )
     with pytest.raises(MissingExtraError) as err:
         both(index_path, search="ann")
-    assert str(err.value) == (
-        "setting 'query.search'='ann' needs faiss, which is not installed here; pip install \"gradian-lightning[ann]\""
-    )
+    assert str(err.value) == refusal
+    # gradian query refuses before any model loads: the model named here does not exist
+    cfg = load_config(None, ["model.name_or_path=no/such-model", f"index.path={index_path}", "query.search=ann"])
+    with pytest.raises(MissingExtraError) as err:
+        run_query(cfg, queries=[{"prompt": "a", "completion": " b"}])
+    assert str(err.value) == refusal
 
 
 def test_the_settings_are_checked():
@@ -179,6 +190,13 @@ def test_the_settings_are_checked():
     assert ann.uses_ann(QuerySpec(search="ann"), 1)
 
 
+def test_index_topk_is_the_exact_scan_and_says_so(index_path):
+    with pytest.raises(
+        ConfigError, match=r"Index.topk\(search='ann'\) is the exact scan; for the two-stage search call"
+    ):
+        open_index(index_path).topk(queries(), 10, search="ann")
+
+
 def test_sketch_keeps_inner_products_unbiased():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(1, 4096, generator=g), torch.randn(1, 4096, generator=g)
@@ -188,3 +206,40 @@ def test_sketch_keeps_inner_products_unbiased():
     exact = float(a @ b.T)
     assert abs(np.mean(estimates) - exact) < 0.02  # standard error about 0.07 / √200
     assert 0.03 < np.std(estimates) < 0.12  # about 1/√256
+
+
+ROWS = [{"id": f"r{i}", "prompt": f"what is {WORDS[i]} ?", "completion": f" {WORDS[i + 20]} ."} for i in range(20)]
+
+
+@needs_faiss
+def test_gradian_query_with_search_ann_answers_like_the_exact_scan(tmp_path, saved_model):
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    queries = write_jsonl(tmp_path / "q.jsonl", ROWS[3:5])
+    path = tmp_path / "ix"
+    run_index(tiny_settings(saved_model, train, path))
+    answers = {
+        search: run_query(
+            tiny_settings(
+                saved_model,
+                train,
+                path,
+                f"query.data={queries}",
+                "query.top_k=5",
+                "query.bottom_k=2",
+                f"query.search={search}",
+            )
+        )
+        for search in ("exact", "ann")
+    }
+    for exact, approximate in zip(answers["exact"]["results"], answers["ann"]["results"]):
+        for key in ("results", "opponents"):  # 20 rows: every row is a candidate, so the rankings agree
+            assert [r["id"] for r in exact[key]] == [r["id"] for r in approximate[key]]
+            np.testing.assert_allclose(
+                [r["score"] for r in exact[key]], [r["score"] for r in approximate[key]], rtol=1e-5, atol=1e-6
+            )
+        assert "ANN candidates" in approximate["scoring"] and "ANN" not in exact["scoring"]
+    assert (path / "ann").is_dir()
+    with pytest.raises(ConfigError, match="query.search'='ann' runs on the local engine"):
+        run_query(
+            tiny_settings(saved_model, train, path, f"query.data={queries}", "query.search=ann", "query.engine=dask")
+        )

@@ -48,7 +48,8 @@ SKETCH_SEED = 0
 AUTO_ANN_ROWS = 200_000
 
 
-def _faiss() -> Any:
+def require_faiss() -> Any:
+    """The faiss module, or `MissingExtraError` naming the `ann` extra."""
     return require_extra("faiss", "ann", "setting 'query.search'='ann'")
 
 
@@ -154,7 +155,7 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
     """Build (or keep, when already finished for the same `identity`) shard `number` of `scorer`'s
     ANN index: its rankable rows as compared, sketched, in one FAISS index with their dataset
     positions as ids. Writes shard-NNNNN.faiss, then shard-NNNNN.json (its marker); returns the marker."""
-    faiss = _faiss()
+    faiss = require_faiss()
     fs, where, ident = _filesystem(scorer.index)[0], folder(scorer), identity(scorer)
     index, spec = scorer.index, scorer.spec
     lo, hi = shard_ranges(len(index), spec.ann_shard_rows)[number]
@@ -206,7 +207,7 @@ class AnnIndex:
     """
 
     def __init__(self, scorer: Scorer, manifest: Dict[str, Any]) -> None:
-        faiss = _faiss()
+        faiss = require_faiss()
         self.scorer, self.manifest = scorer, manifest
         self.sketch = Sketch(scorer.index.meta.width, scorer.spec.ann_sketch_dim)
         fs, where = _filesystem(scorer.index)[0], folder(scorer)
@@ -218,7 +219,7 @@ class AnnIndex:
     def candidates(self, queries: torch.Tensor, count: int, nprobe: int) -> np.ndarray:
         """int64 [Q, shards × count]: each shard's `count` best dataset positions per query [Q, D]
         (prepared as the scorer prepares them), by approximate inner product; -1 where a shard has fewer."""
-        faiss = _faiss()
+        faiss = require_faiss()
         x = self.sketch(queries.cpu())
         found = []
         for shard in self.shards:
