@@ -14,6 +14,7 @@ from conftest import WORDS, tiny_settings, write_jsonl
 from gradian_lightning import open_index
 from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError, MissingExtraError
+from gradian_lightning.index.location import Location
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query import ann
 from gradian_lightning.query.scorer import checkpoint_scorers
@@ -239,6 +240,8 @@ def test_gradian_query_with_search_ann_answers_like_the_exact_scan(tmp_path, sav
             )
         assert "ANN candidates" in approximate["scoring"] and "ANN" not in exact["scoring"]
     assert (path / "ann").is_dir()
+    Location(path).remove_index(holds_index=True)  # index.overwrite=true takes the ANN index with it
+    assert Location(path).entries() == []
     with pytest.raises(ConfigError, match="query.search'='ann' runs on the local engine"):
         run_query(
             tiny_settings(saved_model, train, path, f"query.data={queries}", "query.search=ann", "query.engine=dask")

@@ -43,6 +43,9 @@ FOLDER = "ann"  # under index.path, beside the zarr arrays
 MANIFEST = "ann.json"  # written last: the ANN index is finished
 FORMAT = 1  # of the files below; another format is rebuilt
 SKETCH_SEED = 0
+# IVF lists are trained on an even sample of this many rows a list: k-means time is linear in it,
+# and FAISS itself asks for at least 39.
+TRAIN_PER_LIST = 64
 # query.search=auto searches the ANN index from this many rows on (benchmarks/RESULTS.md §12: where
 # the two-stage search answers a batch of 8 queries faster than the exact scan, build not counted).
 AUTO_ANN_ROWS = 200_000
@@ -139,11 +142,14 @@ def shard_ranges(num_rows: int, shard_rows: int) -> List[Tuple[int, int]]:
     return [(lo, min(lo + shard_rows, num_rows)) for lo in range(0, num_rows, shard_rows)]
 
 
-def _factory(rows: int) -> str:
-    # IVF with about 4·√n lists and at least 39 training rows a list (FAISS's own minimum), 8-bit
-    # scalar codes (a quarter of float32's bytes; the exact re-scoring undoes their rounding);
-    # a flat index where a shard is too small to cluster.
-    lists = min(int(4 * rows**0.5), rows // 39)
+def _lists(rows: int) -> int:
+    # IVF lists for a shard of `rows`: about 4·√n, with at least 39 training rows a list (FAISS's
+    # own minimum); under 2, the shard is too small to cluster and is searched flat.
+    return min(int(4 * rows**0.5), rows // 39)
+
+
+def _factory(lists: int) -> str:
+    # 8-bit scalar codes: a quarter of float32's bytes; the exact re-scoring undoes their rounding.
     return f"IVF{lists},SQ8" if lists >= 2 else "IDMap,Flat"
 
 
@@ -173,10 +179,11 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
             rows = index.decode(index.stored(a, b), a, b)[keep]
             vectors.append(sketch(compared_rows(scorer, rows.to(scorer.device)).cpu()))
             ids.append(torch.arange(a, b)[keep].numpy())
-    found = faiss.index_factory(sketch.out_dim, _factory(sum(len(i) for i in ids)), faiss.METRIC_INNER_PRODUCT)
+    lists = _lists(sum(len(i) for i in ids))
+    found = faiss.index_factory(sketch.out_dim, _factory(lists), faiss.METRIC_INNER_PRODUCT)
     if vectors:
         x, positions = np.concatenate(vectors), np.concatenate(ids).astype(np.int64)
-        found.train(x)
+        found.train(x[:: max(1, len(x) // (TRAIN_PER_LIST * max(lists, 1)))])
         found.add_with_ids(x, positions)
     payload = faiss.serialize_index(found).tobytes()
     fs.makedirs(where, exist_ok=True)
@@ -191,7 +198,14 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
 def build_ann(scorer: Scorer) -> Dict[str, Any]:
     """Build every shard of `scorer`'s ANN index that is not already finished, then write ann.json
     (the manifest: identity and shards), last. Returns the manifest."""
-    fs, where = _filesystem(scorer.index)[0], folder(scorer)
+    fs, root = _filesystem(scorer.index)
+    where = folder(scorer)
+    # ann/ is marked as a zarr group (an empty one to zarr, which skips the files below it): the
+    # index's parts are zarr nodes, so `index.overwrite=true` removes it with the index it describes.
+    node = f"{root.rstrip('/')}/{FOLDER}/zarr.json"
+    if not fs.exists(node):
+        fs.makedirs(f"{root.rstrip('/')}/{FOLDER}", exist_ok=True)
+        fs.pipe_file(node, json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode())
     if fs.exists(f"{where}/{MANIFEST}"):
         fs.rm(f"{where}/{MANIFEST}")  # rebuilt: not finished until every shard is
     shards = [build_shard(scorer, n) for n in range(len(shard_ranges(len(scorer.index), scorer.spec.ann_shard_rows)))]
@@ -272,6 +286,9 @@ def ann_topk(scorers: Sequence[Scorer]) -> tuple[Ranking, Optional[Ranking]]:
             found.append(ann.candidates(sign * scorer.queries, spec.ann_candidates, spec.ann_nprobe))
     positions = np.unique(np.concatenate(found, axis=1))
     positions = positions[positions >= 0]
+    if len(positions) == 0:  # no rankable row: empty rankings, as the exact scan gives
+        empty = Ranking(torch.empty(len(first.queries), 0, dtype=torch.long), torch.empty(len(first.queries), 0))
+        return empty, (empty if bottom_k else None)
     scores = _exact_scores(scorers, positions)
     at = torch.from_numpy(positions).to(first.device)
 
