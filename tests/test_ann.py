@@ -240,9 +240,9 @@ def test_gradian_query_with_search_ann_answers_like_the_exact_scan(tmp_path, sav
             )
         assert "ANN candidates" in approximate["scoring"] and "ANN" not in exact["scoring"]
     assert (path / "ann").is_dir()
-    Location(path).remove_index(holds_index=True)  # index.overwrite=true takes the ANN index with it
-    assert Location(path).entries() == []
     with pytest.raises(ConfigError, match="query.search'='ann' runs on the local engine"):
         run_query(
             tiny_settings(saved_model, train, path, f"query.data={queries}", "query.search=ann", "query.engine=dask")
         )
+    Location(path).remove_index(holds_index=True)  # index.overwrite=true takes the ANN index with it
+    assert Location(path).entries() == []
