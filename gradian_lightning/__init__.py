@@ -17,6 +17,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       scorer.py                Scorer: one checkpoint's scoring, "auto" resolved once; prepare, score, describe
       topk.py                  streaming_topk, score_all (every row, dense) over scorers, Ranking, open_index -> Index
       dask_engine.py           dask_topk: a Scorer's scores as Dask reductions on a cluster (query.engine=dask)
+      ann.py                   ann_topk: FAISS shards of the rows as a Scorer compares them propose candidates, scored exactly (query.search=ann)
       token_scores.py          each supervised token's term of a row's score (Scorer.token_terms)
     index/                     writing and reading the zarr store: knows nothing of scoring or Lightning
       session.py               IndexSession: bind a model, begin -> add batches -> finish (or abort): one index
