@@ -246,3 +246,14 @@ def test_gradian_query_with_search_ann_answers_like_the_exact_scan(tmp_path, sav
         )
     Location(path).remove_index(holds_index=True)  # index.overwrite=true takes the ANN index with it
     assert Location(path).entries() == []
+
+
+@needs_faiss
+def test_an_index_without_rankable_rows_ranks_nothing(tmp_path):
+    blocks = [{"name": "m0", "offset": 0, "size": D}]
+    writer = IndexWriter(tmp_path / "ix", 20, D, "float16", {"fingerprint": "empty", "modules": blocks})
+    writer.write(range(20), torch.randn(20, D), torch.zeros(20), torch.zeros(20), torch.zeros(20), list(range(20)))
+    writer.close()
+    spec = QuerySpec(search="ann", precondition="none", bottom_k=2)
+    top, bottom = ann.ann_topk(checkpoint_scorers(open_index(tmp_path / "ix").reader, queries(), spec, shortcut=False))
+    assert top.indices.shape == (8, 0) and bottom.scores.shape == (8, 0)
