@@ -231,7 +231,7 @@ def smollm2(layers: Optional[int] = None):
 
     if not (SMOLLM2 / "model.safetensors").is_file():
         raise SystemExit(
-            f"SmolLM2 not found at {SMOLLM2}; build it with ../shared/models/make-smollm2.sh or set GRADIAN_SMOLLM2"
+            f"SmolLM2 not found at {SMOLLM2}; save HuggingFaceTB/SmolLM2-135M-Instruct (model and tokenizer, save_pretrained) there, or set GRADIAN_SMOLLM2 to a folder holding it"
         )
     kwargs = {} if layers is None else {"num_hidden_layers": layers}
     import torch
@@ -312,16 +312,17 @@ _MEASURE = (
     "start = time.perf_counter()\n"
     "done = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
     "wall = time.perf_counter() - start\n"
-    "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
-    "print(json.dumps({'rc': done.returncode, 'wall_s': wall, 'peak_rss': rss, 'stdout': done.stdout[-3000:], 'stderr': done.stderr[-6000:]}))\n"
+    "usage = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+    "rss, cpu = usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime\n"
+    "print(json.dumps({'rc': done.returncode, 'wall_s': wall, 'cpu_s': cpu, 'peak_rss': rss, 'stdout': done.stdout[-3000:], 'stderr': done.stderr[-6000:]}))\n"
 )
 
 
 def measure_command(
     cmd: Sequence[str], env: Optional[Dict[str, str]] = None, cwd: Optional[Path] = None
 ) -> Dict[str, Any]:
-    """Run `cmd` under a fresh watcher process: wall time (s), peak RSS of its largest process
-    (bytes), exit code and output tails. The watcher is new, so no earlier run's peak leaks in."""
+    """Run `cmd` under a fresh watcher process: wall time (s), CPU time of all its processes (user +
+    system, s), peak RSS of its largest process (bytes), exit code and output tails. The watcher is new, so no earlier run's peak leaks in."""
     done = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True, env=env, cwd=cwd)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-4000:])

@@ -1,7 +1,8 @@
 """Fine-tune a causal LM with LoRA in a plain LightningModule, index the training set at every
 validation run with `GradientIndexer`, then ask which training rows drove each query's answer.
 
-    python examples/finetune_and_attribute.py                       # SmolLM2-135M-Instruct if built, else a tiny Llama
+    python examples/finetune_and_attribute.py --model HuggingFaceTB/SmolLM2-135M-Instruct   # from the hub
+    python examples/finetune_and_attribute.py                       # a saved copy of it (GRADIAN_SMOLLM2) if any, else a tiny Llama
     python examples/finetune_and_attribute.py --model MODEL --train my_train.jsonl --queries my_queries.jsonl
     python examples/finetune_and_attribute.py --smoke                # tiny Llama, 2 epochs: seconds (CI runs this)
 
@@ -92,7 +93,7 @@ def main(argv: list | None = None) -> int:
     parser.add_argument(
         "--model",
         default=str(SMOLLM2) if (SMOLLM2 / "model.safetensors").is_file() else "tiny",
-        help="Hugging Face name or directory, or 'tiny' (default: SmolLM2-135M-Instruct when built, else tiny)",
+        help="Hugging Face name (HuggingFaceTB/SmolLM2-135M-Instruct) or directory, or 'tiny' (default: a copy of SmolLM2-135M-Instruct saved at GRADIAN_SMOLLM2 or ~/.cache/gradian/smollm2-135m-instruct, else tiny)",
     )
     parser.add_argument("--train", default=str(TRAIN), help="training JSONL (default: the quickstart's 120 facts)")
     parser.add_argument(

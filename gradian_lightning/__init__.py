@@ -9,6 +9,8 @@ stack (tests/test_layout.py fails on any import circle and names it):
     report/html.py             the static HTML page of a query run (gradian report)
     validation/                LDS: random subsets and their losses on disk, one retraining run, the score
     callback.py                GradientIndexer: Lightning's validation loop and ranks mapped onto an IndexSession
+    hf_callback.py             HFGradientIndexer: the Hugging Face Trainer's evaluations or saves and ranks mapped onto
+                               the same IndexSession (no Lightning import)
     data_sources.py            data.train / query.data (any file, save_to_disk folder, hub name) -> a checked
                                datasets.Dataset; an index's rows read back from the sources its metadata names
     query/                     scoring: knows the store, never writes it
@@ -16,9 +18,10 @@ stack (tests/test_layout.py fails on any import circle and names it):
       precondition.py          Diagonal, Fisher, EKFAC (one class each) from the index's row statistics; auto's rule
       scorer.py                Scorer: one checkpoint's scoring, "auto" resolved once; prepare, score, describe
       topk.py                  streaming_topk, score_all (every row, dense) over scorers, Ranking, open_index -> Index
+      exact.py                 ExactPass: queries' full gradients (K-FAC / EK-FAC preconditioned) scored against every training row, no row stored
       dask_engine.py           dask_topk: a Scorer's scores as Dask reductions on a cluster (query.engine=dask)
       ann.py                   ann_topk: FAISS shards of the rows as a Scorer compares them propose candidates, scored exactly (query.search=ann)
-      token_scores.py          each supervised token's term of a row's score (Scorer.token_terms)
+      token_scores.py          each token's term of a row's score, one backward per row (Scorer.token_terms)
     index/                     writing and reading the zarr store: knows nothing of scoring or Lightning
       session.py               IndexSession: bind a model, begin -> add batches -> finish (or abort): one index
       layout.py                the one description of the on-disk layout, encoding, chunking
@@ -34,6 +37,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       projection.py            KroneckerProjector
       recompute.py             MLP blocks (default) or decoder layers re-run in the indexing backward instead of keeping their activations
       batch.py                 GradientRows: (model, batch) -> rows, the one place rows are made
+      factors.py               TokenPass (each module's inputs and output-gradients, GradientRows' safety); full-space K-FAC / EK-FAC factors, fitted in sums that add across ranks
       weights.py               weights_digest: which weights an index was built with
     saved_models.py            model.checkpoints entries (Hugging Face directories, Lightning .ckpt) -> step, lr, model
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,
@@ -69,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 # --help` and a settings error then cost no torch, Lightning or transformers import (under 1 s).
 _WHERE = {
     "GradientIndexer": "callback",
+    "HFGradientIndexer": "hf_callback",
     "load_config": "config",
     "JsonlDataset": "data",
     "TokenizedRows": "data",
@@ -103,6 +108,7 @@ if TYPE_CHECKING:
     from gradian_lightning.gradients.capture import LinearCapture, select_modules
     from gradian_lightning.gradients.loss import supervised_token_loss
     from gradian_lightning.gradients.projection import KroneckerProjector
+    from gradian_lightning.hf_callback import HFGradientIndexer
     from gradian_lightning.index.reader import IndexReader
     from gradian_lightning.index.session import IndexSession
     from gradian_lightning.index.writer import IndexWriter
@@ -116,6 +122,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GradianError",
     "GradientIndexer",
+    "HFGradientIndexer",
     "Index",
     "IndexReader",
     "IndexSession",

@@ -3,11 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 from gradian_lightning.errors import GradianError
+
+PACKAGE = str(Path(__file__).resolve().parent)
+# Lightning's info lines ("GPU available: False, used: False", "TPU available: ...") speak to a
+# Trainer's user; a gradian user asked for an index. Its warnings still show.
+LIGHTNING_INFO = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+@contextlib.contextmanager
+def gradian_output(command: str) -> Iterator[None]:
+    """While a command runs: Gradian's own warnings as `gradian COMMAND: warning: ...` lines (not
+    Python's `.../cli.py:111: UserWarning:` form), Lightning's info lines and torch's LeafSpec
+    deprecation (raised by Lightning's code, nothing a gradian user can act on) not shown. The CLI's
+    only: the library warns Python API users as Python does. Everything is restored on exit."""
+    formatwarning = warnings.formatwarning
+
+    def gradian_format(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
+        if str(Path(filename).resolve()).startswith(PACKAGE):  # warned by gradian (its stacklevel stays inside)
+            return f"gradian {command}: warning: {message}\n"
+        return formatwarning(message, category, filename, lineno, line)
+
+    levels = {name: logging.getLogger(name).level for name in LIGHTNING_INFO}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated", category=FutureWarning)
+        warnings.formatwarning = gradian_format
+        for name in LIGHTNING_INFO:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = formatwarning
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
 
 
 def _print_index_summary(summary: Optional[dict]) -> None:
@@ -51,10 +86,55 @@ def _print_rows_summary(summary: dict, head: str, indent: str) -> None:
         print(f"{indent}rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
+# The paths each command reads, checked on the disk before torch imports (check_before_torch).
+DATA_KEYS = {
+    "index": ("data.train",),
+    "plan": ("data.train",),
+    "query": ("query.data",),
+    "report": ("query.data",),
+    "validate": ("data.train", "query.data"),
+}
+
+
+def check_before_torch(cfg: Any, command: str) -> None:
+    """The checks that need only the settings and the disk, made before torch, Lightning and
+    transformers import (seconds of start-up): the model (a folder that is not there, a file), the
+    data paths `command` reads, and `index.path` (a URL without its filesystem; for index, a file
+    where its folder should be; for query and report, which only read it, a local path with nothing
+    there). A setting that is unset is left to the recipe's `require`; what needs a model or a
+    parsed file is checked by the recipe."""
+    from omegaconf import OmegaConf
+
+    from gradian_lightning.data_sources import check_source_path
+    from gradian_lightning.errors import ConfigError
+    from gradian_lightning.hub import check_model_source
+    from gradian_lightning.index.location import Location
+
+    def given(key: str) -> Optional[str]:
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)  # None when unset or "???"
+        return None if value is None else str(value)
+
+    if given("model.name_or_path") and not given("model.checkpoints"):
+        check_model_source(given("model.name_or_path"))
+    for key in DATA_KEYS.get(command, ()):
+        if given(key):
+            check_source_path(given(key), key)
+    path = given("index.path")
+    if path and command in ("index", "query", "report"):
+        where = Location(path)  # a URL whose filesystem is not installed fails here
+        if command == "index":
+            where.check_creatable()
+        elif where.local is not None and not where.exists():  # a bucket is asked by the reader; a file is not an index
+            raise ConfigError(
+                f"setting 'index.path'={path!r}: nothing is there; point index.path at the folder `gradian index` wrote (the index.path it ran with)"
+            )
+
+
 def _index(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # settings errors before torch and Lightning import
+    check_before_torch(cfg, "index")
     from gradian_lightning.recipes.index import run_index
 
     _print_index_summary(run_index(cfg, announce=lambda line: print(line, flush=True)))
@@ -75,6 +155,7 @@ def _plan(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "plan")
     from gradian_lightning.recipes.plan import format_plan, make_plan, parse_bytes
 
     memory = parse_bytes(args.device_memory) if args.device_memory else None
@@ -106,6 +187,7 @@ def _query(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "query")
     from gradian_lightning.recipes.query import run_query
 
     answer = run_query(cfg)
@@ -120,6 +202,7 @@ def _validate(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "validate")
     from gradian_lightning.recipes.validate import run_validate
 
     report = run_validate(cfg)
@@ -150,6 +233,7 @@ def _report(args: argparse.Namespace) -> None:
     from gradian_lightning.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_before_torch(cfg, "report")
     from gradian_lightning.recipes.report import run_report
 
     print(f"gradian report: written to {run_report(cfg)}")
@@ -238,7 +322,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         args.config, args.overrides = None, [config, *args.overrides]  # every setting an override, no YAML
     try:
-        args.run(args)
+        with gradian_output(args.command):
+            args.run(args)
     except GradianError as err:
         print(f"gradian {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -20,6 +20,8 @@ from gradian_lightning.specs import Fields, IndexSpec, QuerySpec, check
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
 ENGINES = ("local", "dask")
+# The fewest validate.num_subsets at which one query's rank correlation can differ from chance (5% level).
+MIN_SUBSETS = 5
 
 
 @dataclass
@@ -263,7 +265,14 @@ def check_settings(cfg: DictConfig) -> None:
         check(bool(str(value).strip()), f"data.{name}_field", value, "a column name")
     check(cfg.report.token_rows >= 0, "report.token_rows", cfg.report.token_rows, "an integer >= 0")
     v = cfg.validate
-    check(v.num_subsets >= 2, "validate.num_subsets", v.num_subsets, "an integer >= 2 (a rank correlation needs two)")
+    # Below 5 points even a perfect Spearman correlation has p >= 2/4! = 0.083 under random scores
+    # (two-sided), so no LDS printed could be told from chance; at 5 it is 2/5! = 0.017 (docs/validate.md).
+    check(
+        v.num_subsets >= MIN_SUBSETS,
+        "validate.num_subsets",
+        v.num_subsets,
+        f"an integer >= {MIN_SUBSETS} (an LDS over fewer subsets cannot be told from random scores; 24 or more for a figure worth reporting)",
+    )
     check(0 < v.alpha < 1, "validate.alpha", v.alpha, "a fraction between 0 and 1, such as 0.5")
     check(v.repeats >= 1, "validate.repeats", v.repeats, "an integer >= 1")
     check(v.epochs >= 1, "validate.epochs", v.epochs, "an integer >= 1")

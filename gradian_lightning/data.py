@@ -239,13 +239,26 @@ class TokenizedRows(Dataset):
 
 
 class JsonlDataset(TokenizedRows):
-    """Rows (as read by `read_jsonl`) tokenized at once, kept in `examples`: a row's error fails
-    here. For small row sets (queries, tests); `TokenizedRows` holds none in memory."""
+    """A JSONL file's rows (`rows` its path, read by `read_jsonl`) or a list of row dicts, tokenized
+    at once and kept in `examples`: a row's error fails here. For small row sets (queries, tests);
+    `TokenizedRows` holds none in memory."""
 
     def __init__(
-        self, rows: Sequence[Dict[str, Any]], tokenizer: Any, max_seq_length: int, source: str = "data"
+        self,
+        rows: str | Path | Sequence[Dict[str, Any]],
+        tokenizer: Any,
+        max_seq_length: int,
+        source: Optional[str] = None,
     ) -> None:
-        super().__init__(list(rows), tokenizer, max_seq_length, source)
+        if isinstance(rows, (str, Path)):
+            rows, source = read_jsonl(rows), source or str(rows)
+        rows = list(rows)
+        odd = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        if odd is not None:  # a str row would fail later as "'str' object has no attribute 'get'"
+            raise DataError(
+                f"JsonlDataset takes a JSONL file's path or a list of row dicts, and row {odd + 1} is a {type(rows[odd]).__name__}; pass the path, or read_jsonl(path)"
+            )
+        super().__init__(rows, tokenizer, max_seq_length, source or "data")
         self.examples = [super(JsonlDataset, self).__getitem__(i) for i in range(len(self.rows))]
 
     def __getitem__(self, i: int) -> Example:

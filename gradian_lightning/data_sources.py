@@ -28,8 +28,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gradian_lightning.data import ID_BATCH, Fields, id_hashes, read_jsonl
 from gradian_lightning.errors import DataError
+from gradian_lightning.specs import Fields
 
 # The datasets builder that reads each data file suffix (after a compression suffix, if any).
 BUILDERS = {
@@ -73,8 +73,9 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
-def _split_of(dataset: Any, source: str, split: Optional[str], key: str) -> Any:
-    """One split of a `DatasetDict`: `split`, else its only one, else "train"."""
+def _split_of(dataset: Any, source: str, folder: str, split: Optional[str], key: str) -> Any:
+    """One split of a `DatasetDict` saved at `folder` (`source` as the user wrote it, with its
+    `:split` if any): `split`, else its only one, else "train"."""
     from datasets import DatasetDict
 
     if not isinstance(dataset, DatasetDict):
@@ -82,7 +83,11 @@ def _split_of(dataset: Any, source: str, split: Optional[str], key: str) -> Any:
     names = list(dataset)
     chosen = split or (names[0] if len(names) == 1 else "train" if "train" in names else None)
     if chosen not in names:
-        raise DataError(f"setting '{key}'={source!r} holds the splits {names}; name one as {key}={source}:{names[0]}")
+        if split:  # the suggestion is the folder's own name with a split it has, not `source:another`
+            raise DataError(
+                f"setting '{key}'={source!r}: {folder!r} has no split {split!r}, only {names}; name one as {key}={folder}:{names[0]}"
+            )
+        raise DataError(f"setting '{key}'={source!r} holds the splits {names}; name one as {key}={folder}:{names[0]}")
     return dataset[chosen]
 
 
@@ -105,23 +110,33 @@ def load_source(source: Any, key: str = "data.train") -> Any:
         raise DataError(
             f"{key} is a {type(source).__name__}; pass one split as a datasets.Dataset (an IterableDataset has no length, and rows land at their positions)"
         )
+    check_source_path(source, key)
     text, split = _split_path(str(source))
     path = Path(os.path.expanduser(text))
     with _quiet_datasets():
         if path.is_file():
-            builder = builder_of(path)
-            if builder is None:
-                raise DataError(
-                    f"setting '{key}'={str(source)!r}: the file type {''.join(path.suffixes) or '(none)'} is not one gradian reads; use JSONL, JSON, parquet, arrow or CSV (optionally .gz)"
-                )
-            return _load_file(path, builder, key)
+            return _load_file(path, builder_of(path), key)
         if path.is_dir():
             if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-                return _split_of(datasets.load_from_disk(str(path)), str(source), split, key)
+                return _split_of(datasets.load_from_disk(str(path)), str(source), text, split, key)
             return _load(lambda: datasets.load_dataset(str(path), split=split or "train"), source, key)
-        if builder_of(path) is not None or os.sep in text or text.startswith("."):
-            raise DataError(f"data file {text!r} does not exist; check {key}")
         return _load(lambda: datasets.load_dataset(text, split=split or "train"), source, key)
+
+
+def check_source_path(source: Any, key: str = "data.train") -> None:
+    """The checks of `load_source` that need only the disk (no `datasets`, no torch: the CLI makes
+    them first): a file of a type gradian reads, or a path that is there. A hub name, and anything
+    that is not a str or Path, passes."""
+    if not isinstance(source, (str, Path)):
+        return
+    text, _ = _split_path(str(source))
+    path = Path(os.path.expanduser(text))
+    if path.is_file() and builder_of(path) is None:
+        raise DataError(
+            f"setting '{key}'={str(source)!r}: the file type {''.join(path.suffixes) or '(none)'} is not one gradian reads; use JSONL, JSON, parquet, arrow or CSV (optionally .gz)"
+        )
+    if not path.exists() and (builder_of(path) is not None or os.sep in text or text.startswith(".")):
+        raise DataError(f"data file {text!r} does not exist; check {key}")
 
 
 def _load(read: Any, source: Any, key: str) -> Any:
@@ -148,6 +163,8 @@ def _load_file(path: Path, builder: str, key: str) -> Any:
         return dataset
     except Exception as err:
         if builder == "json" and not path.name.lower().endswith(COMPRESSIONS):
+            from gradian_lightning.data import read_jsonl  # torch: only on this failure
+
             read_jsonl(path)  # a bad line: raises DataError with its number and what is wrong
         raise DataError(
             f"data file {str(path)!r} could not be read as {builder} ({_first_line(err)}); check {key} and the file's format"
@@ -195,6 +212,12 @@ def _arrow_type_ok(feature: Any, wanted: str) -> bool:
     return False
 
 
+def _likely(part: str, columns: List[str], id_column: str) -> str:
+    """The column most likely meant for `part` (prompt, completion, ...): its default name when
+    present, else the first column that is not the id."""
+    return part if part in columns else next((c for c in columns if c != id_column), columns[0])
+
+
 def check_columns(dataset: Any, fields: Fields, name: str) -> None:
     """`DataError` unless the mapped columns of `dataset` make one of the row formats, each of the
     type it must have. Reads only the schema; rows without a format fail when tokenised."""
@@ -205,6 +228,14 @@ def check_columns(dataset: Any, fields: Fields, name: str) -> None:
         "text": (fields.text,),
     }
     if not any(all(c in columns for c in cols) for cols in formats.values()):
+        # A column the user mapped (data.prompt_field=question) that is not there is the mistake to name.
+        default = Fields()
+        for part in vars(fields):
+            column = getattr(fields, part)
+            if column != getattr(default, part) and column not in columns and part != "id":
+                raise DataError(
+                    f"{name} has no column {column!r} (data.{part}_field); its columns are {sorted(columns)}: set data.{part}_field to one of them, e.g. data.{part}_field={_likely(part, sorted(columns), fields.id)}"
+                )
         raise DataError(
             f"{name} has columns {sorted(columns)}; expected prompt+completion, messages, or text: map yours with data.prompt_field, data.completion_field, data.messages_field or data.text_field"
         )
@@ -232,6 +263,8 @@ def check_columns(dataset: Any, fields: Fields, name: str) -> None:
 
 def ids_of(dataset: Any, fields: Fields) -> Iterator[List[Any]]:
     """The id column of `dataset`, `ID_BATCH` values at a time (no batches when it has none)."""
+    from gradian_lightning.data import ID_BATCH  # torch: only once rows are read
+
     if fields.id not in dataset.column_names:
         return
     column = dataset.select_columns([fields.id])
@@ -262,6 +295,8 @@ def first_repeat(hashes: np.ndarray, id_at: Any) -> Optional[Tuple[int, int]]:
 
 def check_unique_ids(dataset: Any, fields: Fields, name: str) -> None:
     """`DataError` naming the first repeated id of `dataset`: ids name rows in results."""
+    from gradian_lightning.data import id_hashes  # torch: only once rows are read
+
     if fields.id not in dataset.column_names:
         return
     repeat = first_repeat(id_hashes(ids_of(dataset, fields), len(dataset)), lambda i: str(dataset[i][fields.id]))

@@ -1,7 +1,8 @@
 """Hugging Face loading: `from_pretrained` of model, tokenizer and config, the pad token, file hashes.
 
 Every path that loads a model goes through here, so a name that cannot be loaded is one
-`ConfigError` line that names `model.name_or_path`, whichever command met it.
+`ConfigError` line that names `model.name_or_path`, whichever command met it. torch and
+transformers are imported by the functions that use them: `check_model_source` runs before either.
 """
 
 from __future__ import annotations
@@ -9,13 +10,18 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-import torch
 from omegaconf import DictConfig
-from torch import nn
 
 from gradian_lightning.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# What a message suggests where a model is wanted: a small instruct model on the Hugging Face hub.
+EXAMPLE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:
@@ -58,13 +64,33 @@ def check_tokenizer_files(name: str) -> None:
         )
 
 
+def check_model_source(name: str, key: str = "model.name_or_path") -> None:
+    """`ConfigError` when `name` (setting `key`) can be no model, checked on the disk alone (no torch,
+    no transformers, no network): a file (a model is a folder), or a path that no folder is at and
+    that no Hugging Face name looks like (transformers would say "Repo id must be in the form ...").
+    A name that could be on the hub (`gpt2`, `org/name`) is left to `from_pretrained`."""
+    path = Path(os.path.expanduser(name))
+    if path.is_file():
+        raise ConfigError(
+            f"setting '{key}'={name!r} is a file, not a model folder; a data file goes in data.train (or query.data), and {key} names the folder a model was saved to (save_pretrained) or a Hugging Face name such as {EXAMPLE_MODEL}"
+        )
+    # A hub name is `name` or `org/name`: anything absolute, relative to . or ~, or deeper is a path.
+    path_like = name.startswith((".", "~", "/", os.sep)) or sum(name.count(sep) for sep in {"/", os.sep}) > 1
+    if path_like and not path.exists():
+        raise ConfigError(
+            f"setting '{key}'={name!r}: no such folder ({path.absolute()}); give the folder a model was saved to (save_pretrained) or a Hugging Face name such as {EXAMPLE_MODEL}"
+        )
+
+
 def _pretrained_args(model_cfg: DictConfig) -> Tuple[str, Dict[str, Any]]:
+    check_model_source(model_cfg.name_or_path)
     name = os.path.expanduser(model_cfg.name_or_path)  # "~/..." in a YAML file means the home directory
     return name, {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
 
 
 def load_model_and_tokenizer(model_cfg: DictConfig) -> Tuple[Any, Any]:
     """`from_pretrained` model (causal LM, eval mode) and fast tokenizer from a `model.*` config."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name, kwargs = _pretrained_args(model_cfg)
@@ -92,6 +118,7 @@ def pad_token_id(tokenizer: Any) -> int:
 
 def meta_model(config: Any, trust_remote_code: bool = False) -> torch.nn.Module:
     """The causal LM of `config` with every tensor on the meta device: shapes, no memory, no weights."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -10,6 +10,7 @@ from conftest import WORDS, make_model, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.errors import ConfigError, DataError
+from gradian_lightning.index.location import LOCK_FILE
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.query import run_query
 
@@ -119,3 +120,55 @@ def test_appending_with_other_weights_or_settings_is_refused(tmp_path, saved_mod
     ):
         run_index(settings(saved_model, second, tmp_path / "ix", "index.append=true"))
     assert len(open_index(tmp_path / "ix")) == 10 and open_index(tmp_path / "ix").meta.complete
+
+
+def files_of(path):
+    """Every file under `path` and its bytes: what a refused command must leave as it found it."""
+    files = (p for p in sorted(path.rglob("*")) if p.is_file() and p.name != LOCK_FILE)  # the lock is no part of it
+    return {str(p.relative_to(path)): p.read_bytes() for p in files}
+
+
+def test_a_refused_append_leaves_the_index_as_it_found_it(tmp_path, saved_model):
+    first, second = write_jsonl(tmp_path / "a.jsonl", ROWS[:10]), write_jsonl(tmp_path / "b.jsonl", ROWS[10:])
+    run_index(settings(saved_model, first, tmp_path / "ix"))
+    before, meta = files_of(tmp_path / "ix"), open_index(tmp_path / "ix").meta
+    # The repeated id is the last appended row: a check at write time would grow the index first.
+    repeated = write_jsonl(tmp_path / "c.jsonl", [{"id": "x", "text": "the sky"}, {"id": "y", "text": "a"}, ROWS[4]])
+    with pytest.raises(DataError, match=r"appended row id 'r4' is also the id of row 5 of the index"):
+        run_index(settings(saved_model, repeated, tmp_path / "ix", "index.append=true"))
+    assert files_of(tmp_path / "ix") == before
+    assert open_index(tmp_path / "ix").meta == meta and meta.complete and meta.num_rows == 10
+    # Settings are checked before the first byte changes too.
+    with pytest.raises(ConfigError, match=r"differing: .*projection.dim \(4 -> 2\)"):
+        run_index(settings(saved_model, second, tmp_path / "ix", "index.append=true", "grads.projection_dim=2"))
+    assert files_of(tmp_path / "ix") == before
+    done = run_index(settings(saved_model, second, tmp_path / "ix", "index.append=true"))
+    assert done["complete"] and done["rows"] == 20 and done["computed_rows"] == 10
+
+
+def test_a_repeated_id_found_while_appending_from_python_restores_the_index(tmp_path, model, tokenizer):
+    """GradientIndexer(append=True) meets the ids only as rows are written: the refusal undoes the
+    growth, the rows already written into the old rows' last chunk included."""
+    from test_session import SPEC, validate
+
+    from gradian_lightning import GradientIndexer
+    from gradian_lightning.data import JsonlDataset
+
+    path = tmp_path / "ix"
+    first = JsonlDataset(ROWS[:10], tokenizer, 24)
+    validate(tmp_path, GradientIndexer(path, **SPEC.to_meta(), rows_per_chunk=3), model, first)
+    before, meta = files_of(path), open_index(path).meta
+    # Batches of 2: rows 10 and 11 fill the chunk of row 9 (flushed), then r4 comes in the second batch.
+    repeated = JsonlDataset(ROWS[10:12] + [ROWS[12], ROWS[4]] + ROWS[13:15], tokenizer, 24)
+    with pytest.raises(DataError, match=r"appended row id 'r4' is also the id of row 5 of the index"):
+        validate(tmp_path, GradientIndexer(path, **SPEC.to_meta(), rows_per_chunk=3, append=True), model, repeated)
+    assert files_of(path) == before and open_index(path).meta == meta
+    indexer = GradientIndexer(path, **SPEC.to_meta(), rows_per_chunk=3, append=True)
+    # 9 rows, not 10: without data metadata, 10 rows after 10 share the first run's fingerprint.
+    validate(tmp_path, indexer, model, JsonlDataset(ROWS[10:19], tokenizer, 24))
+    assert indexer.summary["complete"] and indexer.summary["rows"] == 19
+    assert list(open_index(path).column("id")) == [r["id"] for r in ROWS[:19]]
+    validate(
+        tmp_path, GradientIndexer(tmp_path / "once", **SPEC.to_meta()), model, JsonlDataset(ROWS[:19], tokenizer, 24)
+    )
+    assert torch.equal(open_index(path).rows(slice(None)), open_index(tmp_path / "once").rows(slice(None)))

@@ -1,6 +1,7 @@
 """Bad input gets one clear line and loses nothing; NaN never lands in the index silently."""
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -193,3 +194,80 @@ def test_out_of_memory_names_the_loss_chunk_lever_when_it_is_off(tmp_path, model
             f"fp32 logits alone need {human_bytes(fp32_logit_bytes(64, vocab))}" in err
             and "grads.loss_chunk_tokens=256" not in err
         )
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+def test_an_impossible_index_path_is_refused_before_the_model_loads(tmp_path, saved_model, capsys, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before index.path was checked")
+
+    monkeypatch.setattr("gradian_lightning.recipes.index.load_model_and_tokenizer", no_model)
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    argv = index_args(tmp_path, saved_model, data)
+    code, _, err = run(capsys, *argv[:4], "index.path=/proc/gradian-test/ix", *argv[5:])
+    assert code == 2 and err.startswith(
+        "gradian index: error: setting 'index.path'='/proc/gradian-test/ix' cannot be created ("
+    )
+    assert err.endswith("point index.path at a folder you can write")
+    assert not Path("/proc/gradian-test").exists()
+
+
+def long_prompt_rows(lengths):
+    """Rows whose prompt is `n` words (n tokens for the test tokenizer, which adds no BOS) and whose
+    completion, one word, comes after them."""
+    from conftest import WORDS
+
+    return [
+        {"id": f"long{i}", "prompt": " ".join(WORDS[j % 40] for j in range(n)), "completion": " paris"}
+        for i, n in enumerate(lengths)
+    ]
+
+
+def test_an_index_that_can_rank_nothing_is_refused_before_the_model_runs(
+    tmp_path, saved_model, tokenizer, capsys, monkeypatch
+):
+    rows = long_prompt_rows([30, 41, 26])
+    longest = max(len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows)
+    assert longest == 41
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("a batch ran before the data was checked")
+
+    monkeypatch.setattr("gradian_lightning.index.session.IndexSession.compute", no_rows)
+    code, _, err = run(capsys, *index_args(tmp_path, saved_model, data, "grads.max_seq_length=24"))
+    assert code == 2
+    assert (
+        "every one of the 3 rows of data.train has zero supervised tokens within grads.max_seq_length=24: "
+        f"the longest prompt is {longest} tokens" in err
+    )
+    assert f"set grads.max_seq_length above {longest}" in err
+    assert not (tmp_path / "ix").exists()  # nothing was written
+
+
+def test_a_large_share_of_rows_cut_to_nothing_is_a_warning_with_the_same_advice(tmp_path, saved_model):
+    from conftest import tiny_settings
+
+    from gradian_lightning.recipes.index import run_index
+
+    rows = ROWS[:6] + long_prompt_rows([30, 27])  # 2 of 8 rows: 25%
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.warns(UserWarning) as caught:
+        summary = run_index(tiny_settings(saved_model, data, tmp_path / "ix"))
+    assert summary["empty_rows"] == [6, 7]
+    said = [str(w.message) for w in caught if "zero supervised tokens" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(
+        "2 of the 8 rows of data.train (25%) have zero supervised tokens within grads.max_seq_length=24 "
+        "and can never be ranked: the longest of their prompts is 30 tokens"
+    )
+    assert "set grads.max_seq_length above 30" in said[0]
+    # Below the share (1 of 12, 8%): the summary's count, no warning.
+    few = write_jsonl(
+        tmp_path / "few.jsonl",
+        ROWS[:6] + [dict(r, id=f"b{i}") for i, r in enumerate(ROWS[:5])] + long_prompt_rows([30]),
+    )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert len(run_index(tiny_settings(saved_model, few, tmp_path / "few"))["empty_rows"]) == 1

@@ -146,3 +146,37 @@ def test_sigkilled_run_resumes_computing_only_the_missing_rows(tmp_path, saved_m
     )
     assert main(command + ["grads.projection_dim=2", "index.overwrite=true", "trainer.limit_val_batches=1"]) == 0
     assert json.loads(json.dumps(zarr.open_group(str(path), mode="r").attrs["gradian"]["spec"]))["projection_dim"] == 2
+
+
+def test_ctrl_c_prints_gradians_line_exits_130_and_a_rerun_resumes(tmp_path, saved_model, capsys):
+    """SIGINT (Ctrl-C) in the middle of `gradian index`: Lightning catches it itself; the process
+    still says what docs/troubleshooting.md promises, exits 130, and keeps its rows for the rerun."""
+    n, chunk = 48, 4
+    data = write_jsonl(tmp_path / "train.jsonl", many_rows(n))
+    path = tmp_path / "ix"
+    command = args(saved_model, data, path, "grads.batch_size=1", f"index.rows_per_chunk={chunk}")
+    proc = subprocess.Popen(
+        gradian_command() + command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(list((path / "grads" / "c").glob("*/*"))) < 2:  # inside the validation loop
+            assert proc.poll() is None, "the run ended before Ctrl-C: " + proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode()
+    assert proc.returncode == 130, err[-2000:]
+    assert (
+        "gradian index: interrupted: the rows written so far are kept; rerun the same command to resume from them"
+        in err
+    )
+    assert "Detected KeyboardInterrupt" not in err + out.decode() and "Traceback" not in err
+    kept = int(zarr.open_group(str(path), mode="r")["complete"][:].sum())
+    assert 0 < kept < n
+    assert main(command) == 0
+    assert f"resumed: {kept} rows kept from an interrupted run, {n - kept} computed now" in capsys.readouterr().out

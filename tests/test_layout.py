@@ -111,3 +111,7 @@ def test_the_settings_objects_and_the_adapter_sit_where_the_docstring_says():
     adapter = {m for m in imports_of(PACKAGE / "callback.py", set(files)) if m.startswith(ROOT)}
     assert f"{ROOT}.index.session" in adapter
     assert not {m for m in adapter if m.startswith((f"{ROOT}.query", f"{ROOT}.recipes", f"{ROOT}.gradients"))}, adapter
+    # The Hugging Face adapter maps the Trainer's events onto the same session, without Lightning.
+    hf = imports_of(PACKAGE / "hf_callback.py", set(files))
+    assert f"{ROOT}.index.session" in hf and "lightning" not in {m.split(".")[0] for m in hf}, hf
+    assert not {m for m in hf if m.startswith((f"{ROOT}.query", f"{ROOT}.recipes", f"{ROOT}.callback"))}, hf

@@ -31,7 +31,7 @@ def run_kind(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["facts", "shared", "format"])
 def test_a_tiny_set_runs_end_to_end(kind, tmp_path):
     printed, result = run_kind(kind, tmp_path)
-    assert result["num_subsets"] == 3 and result["repeats"] == 2
+    assert result["num_subsets"] == 5 and result["repeats"] == 2
     assert "| query.* settings | projected k16-float16 (1 seeds) |" in printed and "| BM25 | words |" in printed
     exact = result["indexes"]["exact"]["scorers"]
     assert [s["name"] for s in exact][:3] == [
@@ -51,7 +51,7 @@ def test_a_tiny_set_runs_end_to_end(kind, tmp_path):
         assert train.count("keeper of the old records") == len(train.splitlines()) // 2
     if kind == "facts":  # a rerun trains nothing again and gives the same figures
         kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "work" / "runs" / "subsets").glob("*.json")}
-        assert len(kept) == 6
+        assert len(kept) == 10  # 5 subsets × 2 repeats
         again = run_kind(kind, tmp_path)[1]
         assert {p: p.stat().st_mtime_ns for p in kept} == kept
         assert again["indexes"] == result["indexes"]

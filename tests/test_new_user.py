@@ -136,6 +136,34 @@ def test_overwrite_replaces_an_index_of_another_configuration(tmp_path):
     assert np.array_equal(zarr.open_group(str(tmp_path / "ix"))["grads"][:], np.ones((4, 8), dtype=np.float32))
 
 
+def test_overwrite_recomputes_an_index_of_the_same_settings(tmp_path, saved_model, tokenizer, capsys):
+    """index.overwrite=true replaces a complete index of the same settings: new weights give new rows
+    (it used to say "already complete" and keep the old ones). An unfinished one of the same
+    settings and weights is resumed: the rows on disk are the rows it would compute."""
+    from conftest import make_model, tiny_settings
+
+    from gradian_lightning import open_index
+    from gradian_lightning.recipes.index import run_index
+
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    digest = lambda path: read_meta(path)["model"]["weights_sha256"]  # noqa: E731
+    run_index(tiny_settings(saved_model, data, tmp_path / "ix"))
+    old, was = open_index(tmp_path / "ix").rows(slice(None)), digest(tmp_path / "ix")
+    make_model(len(tokenizer), seed=1).save_pretrained(saved_model)  # the model, trained on: other weights
+    again = run_index(tiny_settings(saved_model, data, tmp_path / "ix", "index.overwrite=true"))
+    assert again["complete"] and again["kept_rows"] == 0 and again["computed_rows"] == len(ROWS)
+    fresh = run_index(tiny_settings(saved_model, data, tmp_path / "fresh"))
+    assert torch.equal(open_index(tmp_path / "ix").rows(slice(None)), open_index(tmp_path / "fresh").rows(slice(None)))
+    assert not torch.equal(open_index(tmp_path / "ix").rows(slice(None)), old)
+    assert digest(tmp_path / "ix") == digest(tmp_path / "fresh") != was and fresh["complete"]
+    # Unfinished, the same settings and weights: overwrite resumes it (what a rerun after Ctrl-C does).
+    cut = run_index(tiny_settings(saved_model, data, tmp_path / "cut", "trainer.limit_val_batches=1"))
+    assert not cut["complete"] and cut["rows"] > 0
+    done = run_index(tiny_settings(saved_model, data, tmp_path / "cut", "index.overwrite=true"))
+    assert done["complete"] and done["kept_rows"] == cut["rows"]
+    assert torch.equal(open_index(tmp_path / "cut").rows(slice(None)), open_index(tmp_path / "fresh").rows(slice(None)))
+
+
 def test_a_second_writer_is_refused_before_any_work(tmp_path):
     import subprocess
     import sys
@@ -174,7 +202,7 @@ def test_the_lock_file_is_not_taken_for_part_of_the_index(tmp_path):
         index = IndexReader(tmp_path / "ix")
         assert counted_rows(index) == 4
         assert build_preconditioner(index, "diag", 1.0) is not None
-    assert (tmp_path / "ix" / LOCK_FILE).is_file()
+    assert not (tmp_path / "ix" / LOCK_FILE).exists()  # the lock goes with its writer (issue 42)
     assert [str(w.message) for w in caught if LOCK_FILE in str(w.message)] == []
 
 
@@ -208,6 +236,48 @@ def test_ctrl_c_says_a_rerun_resumes(monkeypatch, capsys):
         capsys.readouterr().err.strip()
         == "gradian index: interrupted: the rows written so far are kept; rerun the same command to resume from them"
     )
+
+
+def test_ctrl_c_inside_lightning_is_gradians_line_and_exit_130(tmp_path, saved_model, monkeypatch, capsys, caplog):
+    """Lightning catches KeyboardInterrupt itself, says "Detected KeyboardInterrupt" and calls
+    sys.exit(1); gradian index says what troubleshooting.md promises and exits 130, and the rows
+    written before the interrupt are kept for the rerun."""
+    import signal
+
+    from gradian_lightning.index.session import IndexSession
+
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    argv = [
+        "index",
+        f"model.name_or_path={saved_model}",
+        f"data.train={data}",
+        f"index.path={tmp_path / 'ix'}",
+        "grads.batch_size=2",
+        "index.rows_per_chunk=2",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+    ]
+    real, calls = IndexSession.compute, []
+
+    def interrupted_at_the_third_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(IndexSession, "compute", interrupted_at_the_third_batch)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert (
+        "gradian index: interrupted: the rows written so far are kept; rerun the same command to resume from them"
+        in err
+    )
+    assert "Detected KeyboardInterrupt" not in err + caplog.text
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Lightning's SIG_IGN is undone
+    assert int(zarr.open_group(str(tmp_path / "ix"), mode="r")["complete"][:].sum()) == 4  # two batches
+    monkeypatch.setattr(IndexSession, "compute", real)
+    assert main(argv) == 0
+    assert f"resumed: 4 rows kept from an interrupted run, {len(ROWS) - 4} computed now" in capsys.readouterr().out
 
 
 def test_every_setting_may_be_an_override_without_a_yaml(tmp_path, saved_model, capsys):

@@ -68,10 +68,10 @@ def test_predicted_fp32_logit_bytes_equal_the_bytes_allocated(tmp_path, wide_mod
     )
     assert plan["truncated_rows"] == 1 and plan["empty_rows"] == 0
     # index size: rows × (modules × k² × itemsize + modules × 4 for the stored norms), plus the row statistics:
-    # sumsq [D] f64, eigvecs [M, k², k²] f32, eigvals [M, k²] f64, whitened norms [rows, M] f32;
-    # 2 layers' gate, up and down projections, k = 32 (the default): k² = 1,024
+    # sumsq [D] f64, eigvecs [M, k², min(rows, k²)] f32 (F has rank <= rows), eigvals [M, k²] f64,
+    # whitened norms [rows, M] f32; 2 layers' gate, up and down projections, k = 32 (the default): k² = 1,024
     m, n, s = 2 * 3, len(rows), 32 * 32
-    stats = m * s * 8 + m * s * s * 4 + m * s * 8 + n * m * 4
+    stats = m * s * 8 + m * s * min(n, s) * 4 + m * s * 8 + n * m * 4
     assert plan["index"]["statistics_bytes"] == stats
     assert plan["index"]["bytes_by_storage_dtype"] == {
         "float32": n * (m * s * 4 + m * 4) + stats,

@@ -2,6 +2,7 @@
 the loss still fp32 only at the gathered positions), and `gradian plan` under `trainer.precision`."""
 
 import contextlib
+import json
 
 import lightning as L
 import pytest
@@ -149,3 +150,28 @@ def test_plan_refuses_a_precision_it_cannot_predict(tmp_path, wide_model):
         ConfigError, match="setting 'trainer.precision'='transformer-engine' is not one gradian plan can predict"
     ):
         plan_for(tmp_path, wide_model, "trainer.precision=transformer-engine")
+
+
+def test_an_index_made_in_bf16_true_is_queried_with_the_same_trainer_precision(tmp_path, saved_model, capsys):
+    """bf16-true casts the weights: the query's model must be cast as the index's was before the
+    index's dtype is checked, or every bf16-true index is refused as 'model dtype float32 here'."""
+    from gradian_lightning.cli import main
+
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    common = [
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "trainer.precision=bf16-true",
+        "grads.projection_dim=4",
+        "grads.module_filter=[down_proj]",
+    ]
+    assert main(["index", *common, f"data.train={train}", "trainer.enable_progress_bar=false"]) == 0
+    assert open_index(tmp_path / "ix").meta.model["dtype"] == "bfloat16"
+    out = tmp_path / "results.jsonl"
+    assert main(["query", *common, f"query.data={train}", "query.top_k=1", f"query.output={out}"]) == 0, (
+        capsys.readouterr()
+    )
+    # Training rows used as queries find themselves first (bf16 may swap a near tie).
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sum(r["results"][0]["index"] == i for i, r in enumerate(results)) >= 0.8 * len(ROWS)

@@ -31,7 +31,12 @@ def index_query_report(folder, saved_model, capsys, data, queries, *extra):
     assert main(["query", *common, "query.token_scores=true"]) == 0
     capsys.readouterr()
     assert main(["report", *common, "report.token_rows=2"]) == 0
-    assert capsys.readouterr().out.strip() == f"gradian report: written to {folder / 'results.html'}"
+    printed = capsys.readouterr()
+    assert printed.out.strip() == f"gradian report: written to {folder / 'results.html'}"
+    results = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+    # The token terms run under a progress bar counting each distinct shaded row once, with its ETA.
+    shaded = {e["index"] for r in results for e in r["results"][:2] + r["opponents"][:2]}
+    assert "gradian report: token terms: 100%" in printed.err and f"{len(shaded)}/{len(shaded)} [" in printed.err
     return folder / "results.html", common
 
 
@@ -64,6 +69,16 @@ def test_token_terms_in_the_results_sum_to_each_score(reported):
             assert terms and sum(terms) == pytest.approx(
                 r["score"], rel=5e-2, abs=1e-4
             )  # the default storage, int8, rounds the ranked score (at float16 it was within 1%)
+
+
+def test_prompt_tokens_are_shaded_by_their_terms_in_grey_text(reported):
+    """Every token of a shaded row has a term (its position's share); the prompt's text stays grey."""
+    page, results = reported
+    text = page.read_text()
+    prompt = re.findall(r'class="tok prompt" data-term="([-0-9.e+]+)"', text)
+    completion = re.findall(r'class="tok" data-term="([-0-9.e+]+)"', text)
+    assert prompt and completion and any(float(t) != 0 for t in prompt)
+    assert 'class="prompt"' not in text  # no token of a shaded row is left without a term
 
 
 def test_the_page_is_self_contained_and_shows_every_result(reported):

@@ -67,7 +67,7 @@ def test_a_session_alone_writes_what_the_callback_writes(tmp_path, model, datase
     assert alone.meta.fingerprint == lightning.meta.fingerprint
     # The spec is stored once: no second copy for another reader to read.
     assert alone.meta.spec.to_meta() == {**SPEC.to_meta(), "module_filter": ["down_proj", "q_proj"]}
-    assert not {"projection", "indexer", "identity", "storage_dtype"} & set(alone.meta)
+    assert not {"projection", "indexer", "identity", "storage_dtype"} & set(alone.meta.attrs)
 
 
 def test_calls_out_of_order_are_one_line(tmp_path, model, dataset):

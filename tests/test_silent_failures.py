@@ -54,13 +54,13 @@ def test_a_refused_run_leaves_no_lock_file(tmp_path):
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "todo.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="holds something that is not a Gradian index"):
+    with pytest.raises(ConfigError, match="holds files that are not a Gradian index"):
         IndexWriter(foreign, 4, 8, "float32", {})
     assert os.listdir(foreign) == ["todo.txt"]
     IndexWriter(tmp_path / "ix", 4, 8, "float32", {"fingerprint": "a"}).close()
     with pytest.raises(ConfigError, match="another configuration"):
         IndexWriter(tmp_path / "ix", 4, 8, "float32", {"fingerprint": "b"})
-    assert ".gradian-lock" in os.listdir(tmp_path / "ix")  # the index's own: kept, it was there before
+    assert ".gradian-lock" not in os.listdir(tmp_path / "ix")  # neither the finished run nor the refused one left it
 
 
 def test_the_weights_mismatch_names_no_missing_model():

@@ -125,7 +125,7 @@ def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, sa
         "validate",
         *common,
         f"validate.output={out}",
-        "validate.num_subsets=4",
+        "validate.num_subsets=5",
         "validate.epochs=1",
         "validate.batch_size=4",
         "validate.learning_rate=0.01",
@@ -153,13 +153,13 @@ def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, sa
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert (
-        "gradian validate: LDS over 4 retrained subsets (2 run(s) each)" in printed
+        "gradian validate: LDS over 5 retrained subsets (2 run(s) each)" in printed
         and "retraining noise ceiling" in printed
         and "moves all queries together" in printed
         and "centred LDS" in printed
     )
     assert all(p.read_text() == text for p, text in before.items())  # the finished runs were kept, not redone
-    assert len(list((out / "subsets").glob("*.json"))) == 8
+    assert len(list((out / "subsets").glob("*.json"))) == 10
 
     report = json.loads((out / "lds.json").read_text())
     assert [s["name"] for s in report["scorers"]] == ["query.* settings", "score=inner, precondition=none"]
@@ -172,7 +172,7 @@ def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, sa
         [
             [
                 json.loads((out / "subsets" / f"subset-{m:03d}-repeat-{r}.json").read_text())["query_loss"]
-                for m in range(4)
+                for m in range(5)
             ]
             for r in range(2)
         ]
@@ -274,3 +274,21 @@ def test_a_finished_run_reads_back_with_the_subsets_and_losses_it_saved(tmp_path
         ConfigError, match=r"holds no validation run \(no plan.json\); run gradian validate with it first$"
     ):
         SubsetRuns.existing(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("subsets", [2, 4])
+def test_too_few_subsets_for_a_rank_correlation_are_refused(subsets, capsys):
+    # Below 5 subsets even a perfect ranking of every query is as likely as p = 2/4! = 0.083 under
+    # random scores: no LDS printed could be told from chance, and 2 subsets always give ±1.
+    code = main(
+        [
+            "validate",
+            "model.name_or_path=m",
+            "data.train=t.jsonl",
+            "query.data=q.jsonl",
+            f"validate.num_subsets={subsets}",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"setting 'validate.num_subsets'={subsets} is not allowed; use an integer >= 5" in err

@@ -9,7 +9,7 @@ Rows are not i.i.d. noise (there no two rows are near, and every ANN method's re
   - lowrank: a rank-64 part (latent N(0, 1) codes times a fixed basis whose scales fall as 1/√i)
     plus isotropic noise of the same size: after whitening, a flat score landscape (the top 10 of
     20,000 rows within 0.03 of each other), the hard case for any ANN index.
-Neither is a real model's gradients (issue 43 asks for those: see RESULTS §12).
+Neither is a real model's gradients (issue 43 asks for those: see RESULTS §15).
 `--rows-per-chunk` (default 64) stores about as many rows a chunk as the default 92,160-wide int8
 row gets (45): a candidate read back costs one chunk, as it would at the default width.
 

@@ -18,12 +18,28 @@ Three time ratios, index / plain (below 1: indexing is cheaper):
 
     PYTHONPATH=. python -m benchmarks.perf.capture_overhead --models smollm2 --variants down_proj,mlp --repeats 3
     PYTHONPATH=. python -m benchmarks.perf.capture_overhead --smoke --out /tmp/x
+
+With `--cli` (SmolLM2 only; results/capture_overhead_cli.json): the whole `gradian index` process at
+its defaults (its own command line: int8, k = 32, the MLP filter, the close's statistics) against
+the plain process over the same `--rows` quickstart train rows, tokenized by the same code, in
+batches of `--batch-size` cut at `--seq-len` tokens; each under a fresh watcher
+(`benchmarks.common.measure_command`: wall time and peak RSS of the whole process), alternating.
+After each index, a fresh process reopens it and times its close again (the statistics), and the
+statistics' bytes are set against the rows'. `--baseline DIR` adds `gradian index` run from
+another checkout (PYTHONPATH=DIR), e.g. main before a change.
+
+    PYTHONPATH=. python -m benchmarks.perf.capture_overhead --cli --rows 64 --batch-size 8 --seq-len 128 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -32,10 +48,14 @@ from typing import Any, Dict, List
 
 from benchmarks.common import (
     RESULTS_DIR,
+    ROOT,
+    SMOLLM2,
     batch_clock,
+    bytes_on_disk,
     emit,
     fmt_bytes,
     load_model,
+    measure_command,
     peak_rss_bytes,
     pyplot,
     run_child,
@@ -78,11 +98,24 @@ SETTINGS = {  # model -> (batches, batch size, sequence length)
 SMOKE = {"tiny": (2, 2, 16)}
 
 
-def _batches(model, num_batches: int, batch_size: int, seq_len: int):
+def _batches(model, num_batches: int, batch_size: int, seq_len: int, data: str | None = None):
+    """(examples, batches): synthetic tokens, or with `data` the rows of that JSONL file tokenized
+    and padded as `gradian index` does them (SmolLM2's tokenizer)."""
     from gradian_lightning.data import collate
 
-    examples = synthetic_examples(num_batches * batch_size, seq_len, model.config.vocab_size)
-    return examples, [collate(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
+    if data is None:
+        examples, pad = synthetic_examples(num_batches * batch_size, seq_len, model.config.vocab_size), 0
+    else:
+        from transformers import AutoTokenizer
+
+        from gradian_lightning.data import TokenizedRows, read_jsonl
+        from gradian_lightning.hub import pad_token_id
+
+        tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2))
+        rows = TokenizedRows(read_jsonl(data), tokenizer, seq_len)
+        examples, pad = [rows[i] for i in range(len(rows))], pad_token_id(tokenizer)
+    batches = [collate(examples[i : i + batch_size], pad_token_id=pad) for i in range(0, len(examples), batch_size)]
+    return examples, batches
 
 
 def child(args: argparse.Namespace) -> None:
@@ -99,7 +132,7 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = load_model(args.model)
-    examples, batches = _batches(model, args.batches, args.batch_size, args.seq_len)
+    examples, batches = _batches(model, args.batches, args.batch_size, args.seq_len, args.data)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     starts: List[float] = []  # when each batch began: the steady step time is taken between them
     start = time.perf_counter()
@@ -148,6 +181,134 @@ def child(args: argparse.Namespace) -> None:
     emit({"variant": args.variant, "loop_s": loop, "step_s": steady, "tokens": tokens, "peak_rss": peak_rss_bytes()})
 
 
+# Reopen the complete index at argv[1] as its writer would resume it and time `close()`: the statistics
+# (and whitened norms) written again from the stored rows, by the gradian on PYTHONPATH (a baseline's own).
+_CLOSE_AGAIN = """
+import json, sys, time
+import zarr
+from gradian_lightning.index.layout import ATTRIBUTE
+from gradian_lightning.index.writer import IndexWriter
+meta = dict(zarr.open_group(sys.argv[1], mode="r").attrs[ATTRIBUTE])
+writer = IndexWriter(sys.argv[1], meta["num_rows"], meta["width"], meta["spec"]["storage_dtype"], meta)
+start = time.perf_counter()
+assert writer.close()
+print(json.dumps({"close_s": time.perf_counter() - start, "width": meta["width"], "storage_dtype": meta["spec"]["storage_dtype"]}))
+"""
+
+
+def cli_comparison(args: argparse.Namespace) -> None:
+    """The whole `gradian index` process against the plain process (module docstring, `--cli`)."""
+    import numpy as np
+
+    from gradian_lightning.data import read_jsonl
+    from gradian_lightning.index.layout import NUMPY_DTYPE
+    from gradian_lightning.recipes.quickstart import __file__ as quickstart
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    sides = ["plain", "gradian index"] + (["gradian index (baseline)"] if args.baseline else [])
+    runs: Dict[str, List[Dict[str, Any]]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "train.jsonl"
+        lines = (Path(quickstart).parent / "train.jsonl").read_text().splitlines()[: args.rows]
+        data.write_text("\n".join(lines) + "\n")
+        assert len(read_jsonl(data)) == args.rows
+        for r in range(args.repeats):
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                out = Path(tmp) / "index"
+                if side == "plain":
+                    cmd = [sys.executable, "-m", "benchmarks.perf.capture_overhead", "--child", "--model", "smollm2"]
+                    cmd += ["--data", str(data), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+                    cmd += ["--threads", str(args.threads)]
+                else:
+                    cmd = [sys.executable, "-m", "gradian_lightning.cli", "index", f"model.name_or_path={SMOLLM2}"]
+                    cmd += [f"data.train={data}", f"index.path={out}", f"grads.batch_size={args.batch_size}"]
+                    cmd += [f"grads.max_seq_length={args.seq_len}"]
+                # The baseline runs in its own folder: `python -m` and `-c` put the working folder first on sys.path.
+                baseline = side.endswith("(baseline)")
+                side_env, cwd = ({**env, "PYTHONPATH": args.baseline}, args.baseline) if baseline else (env, ROOT)
+                load = os.getloadavg()[0]
+                result = measure_command(cmd, env=side_env, cwd=cwd)
+                if result["rc"] != 0:
+                    raise SystemExit(f"{side} failed (exit {result['rc']}):\n{result['stderr']}")
+                result["load"] = (load + os.getloadavg()[0]) / 2
+                if side != "plain":
+                    done = subprocess.run(
+                        [sys.executable, "-c", _CLOSE_AGAIN, str(out)],
+                        env=side_env,
+                        cwd=cwd,
+                        capture_output=True,
+                        text=True,
+                    )
+                    if done.returncode != 0:
+                        raise SystemExit(f"closing {side}'s index again failed:\n{done.stderr[-3000:]}")
+                    closed = json.loads(done.stdout.strip().splitlines()[-1])
+                    itemsize = np.dtype(NUMPY_DTYPE[closed["storage_dtype"]]).itemsize
+                    result.update(
+                        close_s=closed["close_s"],
+                        statistics_bytes=bytes_on_disk(out / "statistics"),
+                        row_bytes=args.rows * closed["width"] * itemsize,
+                    )
+                    shutil.rmtree(out)
+                print(
+                    f"repeat {r} {side}: process {result['wall_s']:.1f} s ({result['cpu_s']:.1f} s CPU), peak RSS {fmt_bytes(result['peak_rss'])}, load {result['load']:.1f}"
+                    + (f", close again {result['close_s']:.1f} s" if "close_s" in result else ""),
+                    flush=True,
+                )
+                runs[side].append(result)
+    med = {
+        side: {
+            k: statistics.median(x[k] for x in runs[side])
+            for k in runs[side][0]
+            if not isinstance(runs[side][0][k], str)
+        }
+        for side in sides
+    }
+    plain = med["plain"]
+    rows = [
+        [
+            side,
+            f"{m['wall_s']:.1f}",
+            f"{m['cpu_s']:.1f}",
+            fmt_bytes(m["peak_rss"]),
+            f"{m['wall_s'] / plain['wall_s']:.2f}",
+            f"{m['cpu_s'] / plain['cpu_s']:.2f}",
+            f"{m['peak_rss'] / plain['peak_rss']:.2f}",
+            f"{m['close_s']:.1f}" if "close_s" in m else "",
+            fmt_bytes(m["statistics_bytes"]) if "statistics_bytes" in m else "",
+            f"{m['statistics_bytes'] / m['row_bytes']:.1f}" if "statistics_bytes" in m else "",
+        ]
+        for side, m in med.items()
+    ]
+    loads = sorted(x["load"] for side in sides for x in runs[side])
+    text = (
+        f"SmolLM2-135M-Instruct, the first {args.rows} quickstart train rows, batches of {args.batch_size}, at most {args.seq_len} tokens; "
+        f"`gradian index` at its defaults (int8, k = 32, MLP filter); OMP_NUM_THREADS={args.threads} in both; "
+        f"medians of {args.repeats} alternating fresh-process runs per side, whole process under a watcher. "
+        f"Load average (1 min) while they ran: {loads[0]:.1f} to {loads[-1]:.1f}, median {statistics.median(loads):.1f} on 2 cores. "
+        "CPU: user + system seconds of the whole process (what the load takes least away from). Close: a fresh process reopening the index and closing it again. Statistics / rows: bytes on disk of the statistics group over the rows' raw bytes."
+        + (f" Baseline: the same command run in and from {args.baseline}." if args.baseline else "")
+    )
+    header = [
+        "process",
+        "wall s",
+        "CPU s",
+        "peak RSS",
+        "wall ratio",
+        "CPU ratio",
+        "peak RSS ratio",
+        "close s",
+        "statistics on disk",
+        "statistics / rows",
+    ]
+    write_result("capture_overhead_cli", text, [{"header": header, "rows": rows}], args.out, runs=runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -170,6 +331,10 @@ def main() -> None:
         help="comma-separated index variants (default: all): down_proj, mlp, all_linear at the default recompute=mlp, with _keep (none) or _layers appended for the others, and @kK-DTYPE (e.g. mlp@k32-int8) for another index format",
     )
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cli", action="store_true", help="the whole `gradian index` process against the plain one")
+    parser.add_argument("--rows", type=int, default=64, help="--cli: quickstart train rows")
+    parser.add_argument("--data", default=None, help=argparse.SUPPRESS)  # a child's JSONL rows
+    parser.add_argument("--baseline", default=None, help="--cli: also run `gradian index` from this checkout")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens, one repeat: seconds")
     parser.add_argument(
         "--out", default=None, help="directory for the JSON result and figure (default benchmarks/results)"
@@ -179,6 +344,8 @@ def main() -> None:
         args.projection_dim = IndexSpec().projection_dim
     if args.child:
         return child(args)
+    if args.cli:
+        return cli_comparison(args)
     pyplot()  # without the bench extra, stop before measuring
 
     settings = SMOKE if args.smoke else {m: SETTINGS[m] for m in args.models.split(",")}

@@ -11,13 +11,25 @@ compressor, the per-row arrays with zarr's default), and measured on disk:
 
     PYTHONPATH=. python -m benchmarks.perf.index_size
     PYTHONPATH=. python -m benchmarks.perf.index_size --smoke --out /tmp/x
+
+With `--statistics N,N,...` (results/index_statistics.json): the row statistics against the rows
+they are of, at SmolLM2's default layout (90 MLP modules, k = 32: blocks of 1,024, int8): for each
+row count N, N synthetic N(0, 1) rows written with `IndexWriter`, then its `close()` timed (the
+statistics and whitened norms, index/statistics.py) and the statistics group's bytes on disk set
+against the rows' raw bytes. Below k² = 1,024 rows the statistics keep the thin eigendecomposition
+(N vectors a module), from k² rows the full one.
+
+    PYTHONPATH=. python -m benchmarks.perf.index_size --statistics 16,64,256,1023,1024
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import List, Optional
 
 from benchmarks.common import SMOLLM2, bytes_on_disk, write_result
 from benchmarks.studies.fidelity import DIMS, DTYPES, QUICKSTART, projected_rows
@@ -30,12 +42,74 @@ FILTERS = {
 }  # every decoder Linear; lm_head (tied to the embedding) left out
 
 
+def statistics_against_rows(counts: List[int], out: Optional[str], modules: int = 90, size: int = 1024) -> None:
+    """Close time and statistics bytes against the rows' bytes (module docstring, `--statistics`)."""
+    import time
+
+    import torch
+
+    from gradian_lightning.index.writer import IndexWriter
+
+    blocks = [{"name": f"m{i}", "offset": i * size, "size": size} for i in range(modules)]
+    width, generator, rows = modules * size, torch.Generator().manual_seed(0), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            path = Path(tmp) / f"rows-{n}"
+            writer = IndexWriter(path, n, width, "int8", {"fingerprint": "bench", "modules": blocks})
+            for lo in range(0, n, writer.chunk):
+                hi = min(lo + writer.chunk, n)
+                ids = [str(i) for i in range(lo, hi)]
+                values = torch.randn(hi - lo, width, generator=generator)
+                writer.write(
+                    range(lo, hi), values, torch.zeros(hi - lo), torch.ones(hi - lo), torch.zeros(hi - lo), ids
+                )
+            start, cpu = time.perf_counter(), time.process_time()
+            assert writer.close()
+            close, cpu = time.perf_counter() - start, time.process_time() - cpu
+            stats, raw = bytes_on_disk(path / "statistics"), n * width
+            vectors = writer.group["statistics"]["eigvecs"].shape[2]
+            rows.append(
+                [
+                    n,
+                    vectors,
+                    f"{close:.1f}",
+                    f"{cpu:.1f}",
+                    f"{stats / 1e6:.1f}",
+                    f"{raw / 1e6:.1f}",
+                    f"{stats / raw:.1f}",
+                ]
+            )
+            print(rows[-1], flush=True)
+            shutil.rmtree(path)
+    load = os.getloadavg()
+    text = (
+        f"{modules} modules of {size} values (SmolLM2's MLP at k = 32), int8, N(0, 1) rows; close timed in one process "
+        f"(wall, and CPU: user + system, what the load takes least away from), 1 torch thread; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on 2 cores."
+    )
+    header = [
+        "rows",
+        "eigenvectors a module",
+        "close s (wall)",
+        "close s (CPU)",
+        "statistics MB on disk",
+        "rows MB (raw)",
+        "statistics / rows",
+    ]
+    write_result("index_statistics", text, [{"header": header, "rows": rows}], out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--statistics", default=None, help="comma-separated row counts: statistics against rows")
     parser.add_argument("--smoke", action="store_true", help="tiny Llama, 4 rows: seconds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.statistics:
+        import torch
+
+        torch.set_num_threads(1)
+        return statistics_against_rows([int(n) for n in args.statistics.split(",")], args.out)
 
     import numpy as np
     import torch

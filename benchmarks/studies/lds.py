@@ -136,10 +136,10 @@ def subsets(kind: str, where: Dict[str, Path]):
 
 def study_set(smoke: bool, runs: Path, tmp: str) -> Dict:
     """Where a study's model, data and runs are: SmolLM2 on the LDS sets, or with `smoke` a tiny
-    random Llama on 16 rows of the fact set, 4 subsets of 1 epoch, all in `tmp`."""
+    random Llama on 16 rows of the fact set, 5 subsets of 1 epoch, all in `tmp`."""
     if not smoke:
         return {"model": SMOLLM2, "data": DATA, "runs": runs, "subsets": 24, "epochs": 2}
-    where = {"model": Path(tmp) / "model", "data": Path(tmp) / "data", "runs": Path(tmp), "subsets": 4, "epochs": 1}
+    where = {"model": Path(tmp) / "model", "data": Path(tmp) / "data", "runs": Path(tmp), "subsets": 5, "epochs": 1}
     smoke_set(where)
     return where
 
@@ -241,7 +241,7 @@ def main() -> None:
                 "model": Path(tmp) / "model",
                 "data": Path(tmp) / "data",
                 "runs": Path(tmp),
-                "subsets": 4,
+                "subsets": 5,
                 "epochs": 1,
             }
             smoke_set(where)

@@ -77,7 +77,8 @@ class GradientRows:
         modules: the modules to capture, by name, instead of `select_modules(model, spec.module_filter)`
             (a query takes the index's modules by the names it stored).
 
-    Calling it with a batch gives (rows [B, D] float32, losses [B] float32 nats); `projector.width`
+    Calling it with a batch gives (rows [B, D] float32, losses [B] float32 nats), or with
+    `per_position=True` each position's part of the rows ([B, T, D], token scores); `projector.width`
     is D and `projector.describe()` the row layout. The model's parameters, their `.grad` and
     `requires_grad`, every submodule's train/eval mode and the caller's RNG are left as they were.
     """
@@ -107,10 +108,18 @@ class GradientRows:
         }
 
     def __call__(
-        self, batch: Dict[str, torch.Tensor], forward_context: Optional[ContextManager] = None
+        self,
+        batch: Dict[str, torch.Tensor],
+        forward_context: Optional[ContextManager] = None,
+        per_position: bool = False,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rows [B, D] float32 and losses [B] float32 (nats) of a batch of `input_ids`,
         `attention_mask`, `labels` [B, T] on the model's device.
+
+        `per_position`: rows [B, T, D] instead, each position's own part of its example's row
+        (`KroneckerProjector.project_positions`): the part carried by position t's inputs and
+        output-gradients, the latter those of the whole example's loss. They sum over T to the
+        rows made without it (to float32 rounding), from the same one forward and backward.
 
         `forward_context` wraps the forward and backward only (e.g. Lightning's autocast); the
         projection always runs in float32. Tensors made under inference mode are fine: the run
@@ -140,15 +149,25 @@ class GradientRows:
                 # The detached parameters stand in for the model's own through the backward too,
                 # where the recomputed layers run again (functional_call restores the model's own after).
                 losses, output_grads = functional_call(_Holder(model), detached, (forward_backward,), strict=False)
-                token_rows = supervised_targets(batch["labels"]).nonzero()[:, 0]
-                rows = self.projector.project(
-                    capture.inputs,
-                    output_grads,
-                    batch["input_ids"].shape[0],
-                    token_rows,
-                    inputs_projected=True,
-                    outputs_projected=True,
-                )
+                supervised = supervised_targets(batch["labels"]).nonzero()  # [n, 2]: (example, position)
+                if per_position:
+                    rows = self.projector.project_positions(
+                        capture.inputs,
+                        output_grads,
+                        tuple(batch["input_ids"].shape),
+                        supervised,
+                        inputs_projected=True,
+                        outputs_projected=True,
+                    )
+                else:
+                    rows = self.projector.project(
+                        capture.inputs,
+                        output_grads,
+                        batch["input_ids"].shape[0],
+                        supervised[:, 0],
+                        inputs_projected=True,
+                        outputs_projected=True,
+                    )
             finally:
                 capture.clear()
         return rows, losses.detach()

@@ -165,25 +165,73 @@ class KroneckerProjector:
         """
         out = []
         for block in self.blocks:
-            x = inputs[block.name]
-            if not inputs_projected:
-                x = self.project_input(block.name, x)
-            x = x.float()
-            g = output_grads[block.name]
-            g = g.float() if outputs_projected else self.project_output(block.name, g)  # [.., k]
-            rows, cols = (x, g) if block.transposed else (g, x)  # the weight's layout: [out, in] or [in, out]
-            if x.dim() == 3:
+            rows, cols = self._factors(block, inputs, output_grads, inputs_projected, outputs_projected)
+            if rows.dim() == 3:
                 grad = torch.einsum("btr,btc->brc", rows, cols)
-            elif x.dim() == 2 and token_rows is not None and token_rows.shape[0] == x.shape[0]:
-                owner = torch.zeros(batch_size, x.shape[0], dtype=x.dtype, device=x.device)
-                owner[token_rows, torch.arange(x.shape[0], device=x.device)] = 1.0
+            elif rows.dim() == 2 and token_rows is not None and token_rows.shape[0] == rows.shape[0]:
+                owner = torch.zeros(batch_size, rows.shape[0], dtype=rows.dtype, device=rows.device)
+                owner[token_rows, torch.arange(rows.shape[0], device=rows.device)] = 1.0
                 grad = torch.einsum("bn,nr,nc->brc", owner, rows, cols)
             else:
                 raise GradianError(
-                    f"module {block.name!r} saw input of shape {tuple(x.shape)}, not [batch, tokens, features]; leave it out of grads.module_filter"
+                    f"module {block.name!r} saw input of shape {tuple(inputs[block.name].shape)}, not [batch, tokens, features]; leave it out of grads.module_filter"
                 )
             out.append(grad.reshape(batch_size, -1))
         return torch.cat(out, dim=1)
+
+    def _factors(
+        self,
+        block: ModuleBlock,
+        inputs: Dict[str, torch.Tensor],
+        output_grads: Dict[str, torch.Tensor],
+        inputs_projected: bool,
+        outputs_projected: bool,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One module's projected (rows, cols) per position, float32 [.., k] each, in the order of
+        the weight's layout: (P_out g, P_in x) for [out, in], (P_in x, P_out g) for a Conv1D's [in, out]."""
+        x = inputs[block.name]
+        if not inputs_projected:
+            x = self.project_input(block.name, x)
+        x = x.float()
+        g = output_grads[block.name]
+        g = g.float() if outputs_projected else self.project_output(block.name, g)  # [.., k]
+        return (x, g) if block.transposed else (g, x)
+
+    def project_positions(
+        self,
+        inputs: Dict[str, torch.Tensor],
+        output_grads: Dict[str, torch.Tensor],
+        shape: Tuple[int, int],
+        positions: Optional[torch.Tensor] = None,
+        inputs_projected: bool = False,
+        outputs_projected: bool = False,
+    ) -> torch.Tensor:
+        """Per-position rows [B, T, width] float32: at [b, t], each module's term of position t,
+        (P_out g_t)(P_in x_t)ᵀ, not summed over positions. Summed over T they are `project`'s rows,
+        to float32 rounding (the sum is taken in another order).
+
+        `shape` is the batch's (B, T). A module that ran only on gathered positions ([n, in], e.g.
+        an output head run at supervised positions) fills the positions `positions` (int64 [n, 2]:
+        example and position of each) and leaves the others zero. Other arguments as in `project`.
+        """
+        batch_size, length = shape
+        out: Optional[torch.Tensor] = None
+        for block in self.blocks:
+            rows, cols = self._factors(block, inputs, output_grads, inputs_projected, outputs_projected)
+            if out is None:
+                out = torch.zeros(batch_size, length, self.width, device=rows.device)
+            where = slice(block.offset, block.offset + block.size)
+            if rows.dim() == 3:
+                out[:, :, where] = torch.einsum("btr,btc->btrc", rows, cols).reshape(batch_size, length, -1)
+            elif rows.dim() == 2 and positions is not None and positions.shape[0] == rows.shape[0]:
+                out[positions[:, 0], positions[:, 1], where] = torch.einsum("nr,nc->nrc", rows, cols).reshape(
+                    rows.shape[0], -1
+                )
+            else:
+                raise GradianError(
+                    f"module {block.name!r} saw input of shape {tuple(inputs[block.name].shape)}, not [batch, tokens, features]; leave it out of grads.module_filter"
+                )
+        return out if out is not None else torch.zeros(batch_size, length, 0)
 
     def describe(self) -> List[Dict[str, object]]:
         """The row layout as plain data, for the index attributes (`ModuleBlock.to_entry`)."""

@@ -57,10 +57,10 @@ def register_checkpoint(
     old = stored_meta(root)
     if not root.is_empty() and (old is None or "checkpoints" not in old or _rows_layout(old) != _rows_layout(meta)):
         if not overwrite:
+            if old is None:
+                raise root.not_an_index()  # index.overwrite=true would be refused for it too
             what = (
-                "a Gradian index of another configuration"
-                if old is not None and "checkpoints" in old
-                else ("a one-checkpoint Gradian index" if old is not None else "something that is not a Gradian index")
+                "a Gradian index of another configuration" if "checkpoints" in old else "a one-checkpoint Gradian index"
             )
             raise ConfigError(
                 f"index.path {str(root)!r} holds {what}, not checkpoints of this job; choose another index.path or pass index.overwrite=true to replace it"

@@ -18,10 +18,12 @@ import contextlib
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional, Tuple
+from typing import IO, TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-import zarr
+if TYPE_CHECKING:  # zarr is imported where a store is opened: checking a path needs none of its 0.5 s
+    import zarr
 
 try:
     import fcntl
@@ -67,6 +69,8 @@ def one_zarr_thread() -> None:
     100 bytes a row (1.31x from 10^4 to 10^6 rows; benchmarks/RESULTS.md §9). The writer flushes
     one chunk at a time, so the other threads bought no speed there.
     """
+    import zarr
+
     if zarr.config.get("threading.max_workers", None) is None:
         zarr.config.set({"threading.max_workers": 1})
 
@@ -106,6 +110,8 @@ class Location:
 
     def open_group(self, mode: str = "r") -> zarr.Group:
         """The zarr group here; `mode` as zarr's: "r" read, "r+" update, "w" create (replacing)."""
+        import zarr
+
         if mode != "r":
             one_zarr_thread()
         return zarr.open_group(self.store(read_only=mode == "r"), mode=mode)
@@ -149,7 +155,9 @@ class Location:
         before it does any work, instead of failing minutes later on an array the first one made.
 
         The lock is a hidden file in the index folder (LOCK_FILE), locked with flock, so a killed
-        writer releases it with its process; it is never removed, so every writer locks one file. Returns the open lock file (close it to
+        writer releases it with its process. `unlock` removes it while still holding it, so a
+        finished run leaves no file behind; a writer that opened it just before that removal holds
+        a lock on a file no longer at the path, sees so, and locks the path's file again. Returns the open lock file (close it to
         release), or None where no lock is taken: a URL (object stores have no such lock), or a
         writer of this same process that an exception abandoned. Raises `ConfigError` when
         another process holds it.
@@ -157,28 +165,30 @@ class Location:
         if self.local is None or fcntl is None:
             return None
         self.check_creatable()
-        # What this lock adds to the user's disk, so that a refused run takes it away again (`unlock`).
-        self._made = [p for p in (self.local, *self.local.parents) if not p.exists()][::-1] + [
-            self.local / LOCK_FILE
-        ] * (not (self.local / LOCK_FILE).exists())
-        try:
-            self.local.mkdir(parents=True, exist_ok=True)
-            handle = open(self.local / LOCK_FILE, "a+")
-        except OSError as err:
-            raise ConfigError(
-                f"setting 'index.path'={self.text!r} cannot be created ({type(err).__name__}: {err.strerror or err}); point index.path at a folder you can write"
-            ) from None
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip()
-            handle.close()
-            if holder == str(os.getpid()):
-                return None
-            raise ConfigError(
-                f"index.path {self.text!r} is being written by another gradian process (pid {holder or '?'}); wait for it to finish, or choose another index.path"
-            ) from None
+        # The folders this lock adds to the user's disk, so that a refused run takes them away again (`unlock`).
+        self._made = [p for p in (self.local, *self.local.parents) if not p.exists()][::-1]
+        while True:
+            try:
+                self.local.mkdir(parents=True, exist_ok=True)
+                handle = open(self.local / LOCK_FILE, "a+")
+            except OSError as err:
+                raise ConfigError(
+                    f"setting 'index.path'={self.text!r} cannot be created ({type(err).__name__}: {err.strerror or err}); point index.path at a folder you can write"
+                ) from None
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip()
+                handle.close()
+                if holder == str(os.getpid()):
+                    return None
+                raise ConfigError(
+                    f"index.path {self.text!r} is being written by another gradian process (pid {holder or '?'}); wait for it to finish, or choose another index.path"
+                ) from None
+            if self._holds(handle):
+                break
+            handle.close()  # a finished writer removed the file between our open and our flock
         handle.seek(0)
         handle.truncate()
         handle.write(str(os.getpid()))
@@ -186,7 +196,9 @@ class Location:
         return handle
 
     def check_creatable(self) -> None:
-        """`ConfigError` when a local index.path is a file, or lies under one: no folder can be made there."""
+        """`ConfigError` when a local index.path is a file, or lies under one, or its nearest existing
+        folder takes no new entry (no permission, a read-only or virtual filesystem such as /proc):
+        no index can be written there. Found before any model loads; leaves nothing behind."""
         if self.local is None:
             return
         for place in (self.local, *self.local.parents):
@@ -196,17 +208,39 @@ class Location:
                     raise ConfigError(
                         f"setting 'index.path'={self.text!r} {what}; an index is a folder: point index.path at a new or existing folder"
                     )
+                self._probe(place)
                 return
 
+    def _probe(self, folder: Path) -> None:
+        """Make and remove an empty folder in `folder`: permission bits and os.access cannot tell
+        (root passes them; /proc and read-only mounts refuse only the write itself)."""
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".gradian-probe-", dir=folder))
+        except OSError as err:
+            raise ConfigError(
+                f"setting 'index.path'={self.text!r} cannot be created ({type(err).__name__}: {err.strerror or err}); point index.path at a folder you can write"
+            ) from None
+
     def unlock(self, handle: IO[str], refused: bool) -> None:
-        """Release `writer_lock`'s lock; after a refusal (`refused`), also remove the lock file and
-        the folders it made, when nothing else was put there: a refused run leaves the disk as it was."""
+        """Release `writer_lock`'s lock and remove its file (before the release: no other writer
+        holds a lock on it then); after a refusal (`refused`), also remove the folders it made, when
+        nothing else was put there: a refused run leaves the disk as it was."""
+        if self._holds(handle):
+            with contextlib.suppress(OSError):
+                (self.local / LOCK_FILE).unlink()
         handle.close()
         if not refused:
             return
         for made in reversed(getattr(self, "_made", [])):
             with contextlib.suppress(OSError):  # a folder something else was written to stays
-                made.rmdir() if made.is_dir() else made.unlink()
+                made.rmdir()
+
+    def _holds(self, handle: IO[str]) -> bool:
+        """Whether the open, locked `handle` is the lock file now at this location (not one removed since)."""
+        try:
+            return os.stat(self.local / LOCK_FILE).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            return False
 
     def refuse_working_folder(self) -> None:
         """`ConfigError` when this is the working folder or a folder above it: never one to remove."""
@@ -216,6 +250,13 @@ class Location:
                 raise ConfigError(
                     f"index.overwrite=true would remove {self.text!r}, the working folder or a folder above it; point index.path at a folder of its own, such as runs/index"
                 )
+
+    def not_an_index(self) -> ConfigError:
+        """The refusal of a folder here that holds something other than a Gradian index, to raise.
+        It suggests a folder of the index's own: index.overwrite=true would be refused here too (`remove_index`)."""
+        return ConfigError(
+            f"index.path {self.text!r} holds files that are not a Gradian index ({', '.join(self.entries()[:3])}); give the index a folder of its own, e.g. index.path={self.text.rstrip('/')}/gradian_index"
+        )
 
     def remove_index(self, holds_index: bool) -> None:
         """Remove the Gradian index stored here (`index.overwrite=true`), after checking that nothing else goes with it.

@@ -267,7 +267,7 @@ class IndexSession:
         complete = writer.close()
         if self._checkpoint is not None:
             (root, step, lr), self._checkpoint = self._checkpoint, None
-            register_checkpoint(root, step, lr, writer.meta, complete=complete)
+            register_checkpoint(root, step, lr, writer.attrs, complete=complete)
         return complete
 
     def out_of_memory(self, batch: Dict[str, Any], wanted: torch.Tensor) -> DeviceOutOfMemoryError:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import errno
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import zarr
+from tqdm.auto import tqdm
 
 from gradian_lightning.data import ID_BATCH, id_hashes
 from gradian_lightning.errors import ConfigError, DataError, GradianError, IndexWriteError
@@ -40,9 +41,15 @@ from gradian_lightning.index.statistics import (
     STATISTICS_GROUP,
     WHITENED_DAMPING,
     counted,
+    statistics_steps,
     write_statistics,
 )
 from gradian_lightning.specs import DEFAULT_DAMPING
+
+# The close's progress line (`IndexWriter.close`) shows once its statistics have taken this long:
+# a close of a few seconds (k <= 16, or few rows) prints nothing, a long one (k = 32 from 1,024 rows:
+# one 1,024² eigendecomposition a module) says what it is doing and how far it is.
+CLOSE_PROGRESS_DELAY_S = 2.0
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -73,6 +80,36 @@ def differing_keys(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     ] or ["fingerprint"]
 
 
+def _weights(attrs: Dict[str, Any]) -> Optional[str]:
+    """The digest of the weights an index's rows were made with (None when not recorded)."""
+    return (attrs.get("model") or {}).get("weights_sha256")
+
+
+class StoredIds:
+    """The ids of the first `rows` rows of the index `group` at `path`, held as sorted 64-bit
+    hashes and their positions (16 bytes a row), to refuse appended rows that repeat one."""
+
+    def __init__(self, group: zarr.Group, rows: int, path: Any) -> None:
+        self.group, self.path = group, path
+        hashes = id_hashes(
+            (group["id"][lo : min(lo + ID_BATCH, rows)].tolist() for lo in range(0, rows, ID_BATCH)), rows
+        )
+        self.order = np.argsort(hashes, kind="stable")
+        self.hashes = hashes[self.order]
+
+    def refuse(self, ids: Iterable[Any]) -> None:
+        """`DataError` naming the first of `ids` (appended rows' ids) that a stored row holds."""
+        for value in ids:
+            h = hash(str(value))
+            at = int(np.searchsorted(self.hashes, h))
+            while at < len(self.hashes) and self.hashes[at] == h:
+                if str(self.group["id"][int(self.order[at])]) == str(value):
+                    raise DataError(
+                        f"appended row id {str(value)!r} is also the id of row {int(self.order[at]) + 1} of the index at {str(self.path)!r}; ids name rows in results, so appended rows need ids of their own (rows without an id column are numbered on by gradian index)"
+                    )
+                at += 1
+
+
 class IndexWriter:
     """Writes rows at their dataset positions, a whole chunk at a time, and resumes killed runs.
 
@@ -100,17 +137,22 @@ class IndexWriter:
         # append: this run's num_rows rows go after the `offset` rows of the complete index at path
         # (`_open_to_append`); `write` and `todo` then speak of this run's rows, 0 .. num_rows - 1.
         self.append, self.offset = append, 0
-        self._old_ids: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self._old_ids: Optional[StoredIds] = None
+        # The metadata and statistics' whitened damping of the complete index this run grew, and
+        # whether a refused row put them back (the writer then writes nothing more).
+        self._found: Optional[Tuple[Dict[str, Any], Any]] = None
+        self._undone = False
         # The spec's one record of the storage dtype is what this writer encodes with.
-        spec = {**meta.get("spec", {}), "storage_dtype": storage_dtype}
+        given = dict(meta)
+        spec = {**given.get("spec", {}), "storage_dtype": storage_dtype}
         # The module layout is the one record of the width: rows written without one are one block.
-        modules = meta.get("modules") or [row_block(width).to_entry()]
+        modules = given.get("modules") or [row_block(width).to_entry()]
         if sum(int(b["size"]) for b in modules) != width:
             raise GradianError(
                 f"IndexWriter(width={width}) does not match its module layout ({sum(int(b['size']) for b in modules)} values a row)"
             )
-        self.meta = {
-            **meta,
+        self.attrs = {
+            **given,
             "format_version": FORMAT_VERSION,
             "num_rows": num_rows,
             "modules": modules,
@@ -128,7 +170,7 @@ class IndexWriter:
             self._release(refused=True)
             raise
         self.chunk = self.group["grads"].chunks[0]  # a resumed index keeps the chunking it was made with
-        self.blocks = [ModuleBlock.from_entry(b) for b in self.meta["modules"]]
+        self.blocks = [ModuleBlock.from_entry(b) for b in self.attrs["modules"]]
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self.kept_rows = int(self.done[self.offset :].sum())  # rows an earlier, interrupted run already wrote
         self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
@@ -137,7 +179,7 @@ class IndexWriter:
     @property
     def step(self) -> Optional[int]:
         """The global step of the weights the rows are made with, as the caller said (meta)."""
-        return self.meta.get("global_step")
+        return self.attrs.get("global_step")
 
     @property
     def todo(self) -> np.ndarray:
@@ -160,18 +202,25 @@ class IndexWriter:
     def _open_or_create_unchecked(self, overwrite: bool) -> zarr.Group:
         if not self.path.is_empty():
             old = stored_meta(self.path)
+            if old is not None and old.get("format_version") != FORMAT_VERSION and not overwrite:
+                IndexMeta.from_attrs(old, repr(str(self.path)))  # refused in one line, naming the version
             if (
                 self.append
                 and old is not None
-                and (old.get("segments") or old.get("fingerprint") != self.meta.get("fingerprint"))
+                and (old.get("segments") or old.get("fingerprint") != self.attrs.get("fingerprint"))
             ):
                 return self._open_to_append(old)
             same_job = (
                 old is not None
-                and old.get("fingerprint") == self.meta.get("fingerprint")
+                and old.get("fingerprint") == self.attrs.get("fingerprint")
                 and old.get("num_rows") == self.num_rows
             )
-            if same_job and old.get("global_step") == self.meta.get("global_step"):
+            # index.overwrite=true replaces even an index of this job, unless it is an unfinished one
+            # of these weights: its rows are the ones this run would compute, so a rerun resumes.
+            resumable = not overwrite or (
+                same_job and not old.get("complete") and _weights(old) == _weights(self.attrs)
+            )
+            if same_job and old.get("global_step") == self.attrs.get("global_step") and resumable:
                 group = self.path.open_group("r+")
                 group.attrs[ATTRIBUTE] = {
                     **old,
@@ -180,11 +229,9 @@ class IndexWriter:
                 return group
             if not (same_job or overwrite):
                 if old is None:
-                    raise ConfigError(
-                        f"index.path {str(self.path)!r} holds something that is not a Gradian index; choose another index.path or pass index.overwrite=true to replace it"
-                    )
+                    raise self.path.not_an_index()
                 raise ConfigError(
-                    f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.meta))}); "
+                    f"index.path {str(self.path)!r} holds a Gradian index of another configuration (differing: {', '.join(differing_keys(old, self.attrs))}); "
                     "run with the stored settings to resume it, choose another index.path, or pass index.overwrite=true to replace it"
                 )
             self.path.remove_index(holds_index=old is not None)
@@ -204,12 +251,12 @@ class IndexWriter:
         for name, (dtype, fill) in ROW_ARRAYS.items():
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
-        modules = len(self.meta["modules"])
+        modules = len(self.attrs["modules"])
         for name in (NORMS, SCALES) if self.storage_dtype == "int8" else (NORMS,):
             group.create_array(
                 name, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
             )
-        group.attrs[ATTRIBUTE] = self.meta
+        group.attrs[ATTRIBUTE] = self.attrs
         return group
 
     def _open_to_append(self, old: Dict[str, Any]) -> zarr.Group:
@@ -217,26 +264,26 @@ class IndexWriter:
         run if it is the index's last append, else checking the index takes them (the same
         identity but for the data, the same weights, complete) and growing every per-row array."""
         segments = IndexMeta.from_attrs(old, repr(str(self.path))).data_segments()
-        run = {"data": self.meta.get("data"), "rows": self.num_rows, "fingerprint": self.meta.get("fingerprint")}
+        run = {"data": self.attrs.get("data"), "rows": self.num_rows, "fingerprint": self.attrs.get("fingerprint")}
         last = segments[-1]
         if last.get("fingerprint") == run["fingerprint"] and last["rows"] == self.num_rows:
             self.offset = int(last["offset"])  # an interrupted (or finished) append of these rows: resume it
-            self.num_rows, self.meta = int(old["num_rows"]), {**old, "complete": False}
+            self.num_rows, self.attrs = int(old["num_rows"]), {**old, "complete": False}
             group = self.path.open_group("r+")
-            group.attrs[ATTRIBUTE] = self.meta
-            self._old_ids = self._id_hashes(group, self.offset)
+            group.attrs[ATTRIBUTE] = self.attrs
+            self._old_ids = StoredIds(group, self.offset, self.path)
             return group
         if old.get("checkpoints"):
             raise ConfigError(
                 f"index.append=true adds rows to a one-checkpoint index, and {str(self.path)!r} holds checkpoints; choose another index.path"
             )
         same = {"data": None, "num_rows": 0}
-        differing = [k for k in differing_keys({**old, **same}, {**self.meta, **same}) if k != "fingerprint"]
+        differing = [k for k in differing_keys({**old, **same}, {**self.attrs, **same}) if k != "fingerprint"]
         if differing:
             raise ConfigError(
                 f"index.append=true adds rows made as the rows of the index at {str(self.path)!r} were, and these differ (differing: {', '.join(differing)}); append with its settings, or choose another index.path"
             )
-        was, now = ((m.get("model") or {}).get("weights_sha256") for m in (old, self.meta))
+        was, now = _weights(old), _weights(self.attrs)
         if was != now:
             raise ConfigError(
                 f"index.append=true adds rows made with the weights the index at {str(self.path)!r} was built from (weights digest {was}); this model's are {now}; append with that model, or choose another index.path"
@@ -248,7 +295,7 @@ class IndexWriter:
         self.offset, total = int(old["num_rows"]), int(old["num_rows"]) + self.num_rows
         segments.append({**run, "offset": self.offset})
         self.num_rows = total
-        self.meta = {
+        self.attrs = {
             **old,
             "num_rows": total,
             "segments": segments,
@@ -262,33 +309,14 @@ class IndexWriter:
                 array.resize((total, *array.shape[1:]))
                 if name in ROW_ARRAYS:  # the new rows start unwritten, whatever a partial last chunk held
                     array[self.offset :] = np.full(self.num_rows - self.offset, ROW_ARRAYS[name][1], dtype=array.dtype)
+        whitened = None
         if has_member(group, STATISTICS_GROUP, zarr.Group):
-            group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)  # its whitened norms are of the old rows only
-        self._old_ids = self._id_hashes(group, self.offset)
-        group.attrs[ATTRIBUTE] = self.meta
+            # its whitened norms are of the old rows only
+            whitened = group[STATISTICS_GROUP].attrs.pop(WHITENED_DAMPING, None)
+        self._found = (old, whitened)  # what a refused appended row puts back (`_undo_append`)
+        self._old_ids = StoredIds(group, self.offset, self.path)
+        group.attrs[ATTRIBUTE] = self.attrs
         return group
-
-    @staticmethod
-    def _id_hashes(group: zarr.Group, rows: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(sorted hashes, their positions) of the ids of the first `rows` rows: 16 bytes a row."""
-        hashes = id_hashes(
-            (group["id"][lo : min(lo + ID_BATCH, rows)].tolist() for lo in range(0, rows, ID_BATCH)), rows
-        )
-        order = np.argsort(hashes, kind="stable")
-        return hashes[order], order
-
-    def _refuse_repeated_ids(self, ids: Sequence[str]) -> None:
-        """`DataError` naming an appended row's id that a row of the index before it holds."""
-        hashes, order = self._old_ids
-        for value in ids:
-            h = hash(str(value))
-            at = int(np.searchsorted(hashes, h))
-            while at < len(hashes) and hashes[at] == h:
-                if str(self.group["id"][int(order[at])]) == str(value):
-                    raise DataError(
-                        f"appended row id {str(value)!r} is also the id of row {int(order[at]) + 1} of the index at {str(self.path)!r}; ids name rows in results, so appended rows need ids of their own (rows without an id column are numbered on by gradian index)"
-                    )
-                at += 1
 
     def write(
         self,
@@ -306,7 +334,11 @@ class IndexWriter:
         """
         indices = [int(i) + self.offset for i in indices]
         if self._old_ids is not None:
-            self._refuse_repeated_ids(ids)
+            try:
+                self._old_ids.refuse(ids)
+            except DataError:
+                self._undo_append()
+                raise
         finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(loss)
         grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
         stored, scales = encode(grads, self.storage_dtype, self.blocks)
@@ -327,6 +359,26 @@ class IndexWriter:
                 lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.num_rows)
                 if int(self.done[lo:hi].sum()) + len(self._pending[c]) == hi - lo:
                     self._flush(c)
+
+    def _undo_append(self) -> None:
+        """Put the complete index this append grew back as it was found, byte for byte: the rows
+        past `offset` and their chunks go (a shared last chunk back to its fill values, as it was
+        written), and the metadata and statistics' attributes return. Nothing is written after."""
+        if self._found is None:
+            return  # a resumed append: the index was already unfinished, and stays so
+        (old, whitened), group = self._found, self.group
+        for name in ("grads", NORMS, SCALES, *ROW_ARRAYS):
+            if has_member(group, name, zarr.Array):
+                array = group[name]
+                edge = min(array.shape[0], -(-self.offset // array.chunks[0]) * array.chunks[0])
+                if edge > self.offset:  # the old rows' last chunk also holds new rows: zarr keeps them past a shrink
+                    array[self.offset : edge] = array.fill_value
+                array.resize((self.offset, *array.shape[1:]))
+        if whitened is not None:
+            group[STATISTICS_GROUP].attrs[WHITENED_DAMPING] = whitened
+        group.attrs[ATTRIBUTE] = old
+        self._pending.clear()
+        self.done, self.num_rows, self.attrs, self._undone = self.done[: self.offset], self.offset, old, True
 
     @contextlib.contextmanager
     def _disk_full_is_one_line(self) -> Iterator[None]:
@@ -384,23 +436,37 @@ class IndexWriter:
     def close(self, extra_meta: Optional[Dict[str, Any]] = None) -> bool:
         """Flush every buffered row, store the row statistics (and, once every row is written, the
         rows' whitened norms); mark the index complete when every row is. Returns that flag."""
+        if self._undone:  # a refused append put the complete index back: leave it so
+            self._release()
+            return True
         try:
             with self._disk_full_is_one_line():
                 for c in sorted(self._pending):
                     self._flush(c)
                 complete = bool(self.done.all())
                 keep = self.done & counted(self.group["finite"][:], self.group["supervised_tokens"][:])
-                write_statistics(
-                    self.group,
-                    self._decoded,
-                    keep,
-                    self.blocks,
-                    self.width,
-                    self.chunk,
-                    self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
-                    DEFAULT_DAMPING if complete else None,  # the default query's damping: it never whitens a chunk
-                )
-                self.group.attrs[ATTRIBUTE] = {**self.meta, **(extra_meta or {}), "complete": complete}
+                damping = DEFAULT_DAMPING if complete else None  # the default query's damping: it never whitens a chunk
+                # Like Lightning's validation bar, gone when done: the summary line follows it.
+                with tqdm(
+                    total=statistics_steps(self.blocks, self.width, damping),
+                    desc="closing the index: row statistics",
+                    unit="module",
+                    delay=CLOSE_PROGRESS_DELAY_S,
+                    leave=False,
+                    dynamic_ncols=True,
+                ) as bar:
+                    write_statistics(
+                        self.group,
+                        self._decoded,
+                        keep,
+                        self.blocks,
+                        self.width,
+                        self.chunk,
+                        self.width * np.dtype(NUMPY_DTYPE[self.storage_dtype]).itemsize,
+                        damping,
+                        progress=bar,
+                    )
+                self.group.attrs[ATTRIBUTE] = {**self.attrs, **(extra_meta or {}), "complete": complete}
         finally:
             self._release()
         return complete

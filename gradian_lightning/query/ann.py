@@ -47,7 +47,7 @@ SKETCH_SEED = 0
 # and FAISS itself asks for at least 39.
 TRAIN_PER_LIST = 64
 # query.search=auto searches the ANN index from this many rows on. Measured (benchmarks/RESULTS.md
-# §12): at 10⁵ rows a batch of 8 queries is answered 3.7-6.4× faster than by the scan (the build,
+# §15): at 10⁵ rows a batch of 8 queries is answered 3.7-6.4× faster than by the scan (the build,
 # 1-1.5 minutes once, not counted), and a scan of 10⁵ rows of the default width reads 9.2 GB. Below
 # it the scan is cheap enough that there is no reason to risk a missed row.
 AUTO_ANN_ROWS = 100_000

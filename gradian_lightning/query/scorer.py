@@ -4,7 +4,7 @@
                                   builds the preconditioner from the index's statistics
       .prepare(query rows [Q, D]) the queries scaled once as every chunk is compared with them
       .score(rows [c, D], lo, hi) scores [Q, c] of a chunk of decoded rows lo..hi-1
-      .token_terms(rows [S, D])   each supervised token's term of one row's score (token_scores.py)
+      .token_terms(parts [S, D])  each part's term of one row's score, parts summing to the row (token_scores.py)
       .describe()                 how it scores, in the words the output, summary and report use
 
 The streaming top-k (topk.py), the Dask engine, `score_all`, token scores, validate and the report

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import inspect
 import logging
+import signal
+import sys
+import warnings
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -21,12 +24,13 @@ from torch.utils.data import DataLoader
 
 from gradian_lightning.callback import GradientIndexer
 from gradian_lightning.config import require
-from gradian_lightning.data import Fields, TokenizedRows, collate
-from gradian_lightning.data_sources import describe_source, open_rows, streamed_rows
+from gradian_lightning.data import IGNORE_INDEX, Fields, TokenizedRows, collate, tokenize_row
+from gradian_lightning.data_sources import describe_source, ids_of, open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad_token_id
 from gradian_lightning.index.layout import IndexMeta, stored_meta
 from gradian_lightning.index.location import Location
+from gradian_lightning.index.writer import StoredIds
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
 from gradian_lightning.specs import IndexSpec
@@ -52,8 +56,43 @@ class _NoAdvert(logging.Filter):
 
 
 # Lightning's rank-zero messages go to whichever of these two loggers was set up last.
-for _name_ in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+for _name_ in _RANK_ZERO_LOGGERS:
     logging.getLogger(_name_).addFilter(_NoAdvert())
+
+
+class _NoInterruptLine(logging.Filter):
+    """Drops Lightning's "Detected KeyboardInterrupt" line while gradian index runs: gradian says
+    what was kept and how to resume instead (cli.py)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Detected KeyboardInterrupt" not in str(record.msg)
+
+
+def validate_or_interrupt(trainer: L.Trainer, module: L.LightningModule, loader: DataLoader) -> None:
+    """`trainer.validate`, with Ctrl-C raised as the KeyboardInterrupt it was.
+
+    Lightning catches KeyboardInterrupt itself (`_call_and_handle_interrupt`): it calls the
+    callbacks' `on_exception` (the indexer keeps its rows there), ignores SIGINT from then on, logs
+    its own line and calls `sys.exit(1)`. The SystemExit it raises carries the KeyboardInterrupt as
+    its context; that alone is turned back into KeyboardInterrupt, with the SIGINT handler restored.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    quiet = _NoInterruptLine()
+    loggers = [logging.getLogger(name) for name in _RANK_ZERO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        trainer.validate(module, dataloaders=loader, verbose=False)
+    except SystemExit as err:
+        if not isinstance(err.__context__, KeyboardInterrupt):
+            raise
+        raise KeyboardInterrupt from None
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+        if handler is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, handler)
 
 
 class IndexProgressBar(TQDMProgressBar):
@@ -143,11 +182,14 @@ def run_index(
         "model": {"name_or_path": normalized_name(cfg.model.name_or_path), "revision": cfg.model.revision},
         "data": data_meta(cfg, source, rows),
     }
+    # Appended rows without an id are numbered on from the index's rows (index/writer.py).
+    first_id = appended_after(str(cfg.index.path), meta["data"]) if cfg.index.append else 0
+    if first_id:  # a repeated id is refused before the index grows: a refused append changes no byte of it
+        stored = Location(str(cfg.index.path)).open_group("r")
+        StoredIds(stored, first_id, cfg.index.path).refuse(appended_ids(rows, fields, first_id))
     # Read forward with plain reads from here, and this Dataset's memory map closes with it: every
     # page read through a map stays in RSS (data_sources.StreamedRows).
     rows = streamed_rows(rows)
-    # Appended rows without an id are numbered on from the index's rows (index/writer.py).
-    first_id = appended_after(str(cfg.index.path), meta["data"]) if cfg.index.append else 0
     # Steps and learning rates of model.checkpoints: a bad list fails before any model loads.
     checkpoints = saved_models(cfg.model.checkpoints or [])
     indexer = GradientIndexer(
@@ -168,6 +210,8 @@ def run_index(
         dataset = TokenizedRows(
             rows, tokenizer, g.max_seq_length, source=_name(source), fields=fields, first_id=first_id
         )
+        if not run:  # before any batch runs: an index no row of which can be ranked is refused
+            refuse_rows_that_rank_nothing(dataset)
         if not run and announce is not None and trainer.is_global_zero:  # before the launch: ranks > 0 know their rank
             layout = index_layout(model, spec, len(dataset))
             announce(
@@ -183,13 +227,14 @@ def run_index(
             session.checkpoint_as(saved.step, saved.lr)
         if run:
             trainer = make_trainer(cfg, [indexer])
-        trainer.validate(CausalLMModule(model), dataloaders=loader, verbose=False)
+        validate_or_interrupt(trainer, CausalLMModule(model), loader)
         if trainer.is_global_zero and len(session.summaries) != run + 1:
             raise GradianError(
                 "indexing produced no summary; the validation loop did not run (check trainer.limit_val_batches)"
             )
     if not trainer.is_global_zero:
         return None
+    warn_of_rows_cut_to_nothing(dataset, session.summaries[-1]["empty_rows"], first_id)
     if not checkpoints:
         return session.summaries[-1]
     return whole_index_summary(session.summaries, str(cfg.index.path))
@@ -206,6 +251,67 @@ def appended_after(path: str, data: Dict[str, Any]) -> int:
     meta = IndexMeta.from_attrs(stored, repr(path))
     last = meta.data_segments()[-1]
     return int(last["offset"]) if last["data"] == data else meta.num_rows
+
+
+# A row with no supervised token within grads.max_seq_length has a zero gradient: it scores 0 for
+# every query and is left out of ranking. At a tenth of the rows, one query in ten whose source is
+# among them cannot find it (recall@k at most 0.9): a loss the user must hear of. Below it, a few
+# over-long rows are usual in real data, and the summary already counts and names them.
+EMPTY_ROWS_WARNING_SHARE = 0.1
+
+
+def prompt_tokens(dataset: TokenizedRows, i: int) -> Optional[int]:
+    """The tokens of row `i` before its first supervised token, untruncated (None: it has none)."""
+    labels = tokenize_row(dataset.tokenizer, dataset.row(i), i, sys.maxsize).labels
+    return next((t for t, label in enumerate(labels) if label != IGNORE_INDEX), None)
+
+
+def refuse_rows_that_rank_nothing(dataset: TokenizedRows) -> None:
+    """`ConfigError` when no row of `dataset` keeps a supervised token within its max_seq_length:
+    every row's gradient would be zero. Costs one row's tokenization when the first row has one."""
+    if any(any(label != IGNORE_INDEX for label in dataset[i].labels) for i in range(len(dataset))):
+        return
+    cut = [n for n in (prompt_tokens(dataset, i) for i in range(len(dataset))) if n is not None]
+    n, limit = len(dataset), dataset.max_seq_length
+    if not cut:
+        raise ConfigError(
+            f"every one of the {n} rows of data.train has zero supervised tokens (empty completions, or messages without an assistant turn), so none could be ranked; give the rows a completion, an assistant message or text"
+        )
+    longest = max(cut)
+    raise ConfigError(
+        f"every one of the {n} rows of data.train has zero supervised tokens within grads.max_seq_length={limit}: the longest prompt is {longest} tokens, and each completion starts after the cut, so no row could be ranked; set grads.max_seq_length above {longest} (plus the completion tokens to keep), or shorten the prompts"
+    )
+
+
+def warn_of_rows_cut_to_nothing(dataset: TokenizedRows, empty_rows: List[int], offset: int) -> None:
+    """Warn when at least `EMPTY_ROWS_WARNING_SHARE` of this run's rows (`dataset`, at index rows
+    `offset`... of the index whose `empty_rows` the summary lists) have no supervised token."""
+    mine = [i - offset for i in empty_rows if offset <= i < offset + len(dataset)]
+    share = len(mine) / max(len(dataset), 1)
+    if not mine or share < EMPTY_ROWS_WARNING_SHARE:
+        return
+    cut = [n for n in (prompt_tokens(dataset, i) for i in mine) if n is not None]
+    advice = (
+        f"the longest of their prompts is {max(cut)} tokens; set grads.max_seq_length above {max(cut)} (with index.overwrite=true to rebuild this index), or shorten those prompts"
+        if cut
+        else "they have empty completions; give them a completion, or leave them out"
+    )
+    warnings.warn(
+        f"{len(mine)} of the {len(dataset)} rows of data.train ({100 * share:.0f}%) have zero supervised tokens within grads.max_seq_length={dataset.max_seq_length} and can never be ranked: {advice}",
+        stacklevel=2,
+    )
+
+
+def appended_ids(rows: Any, fields: Fields, first_id: int) -> Iterator[str]:
+    """The ids the rows of the Dataset `rows` get in an index they are appended to after
+    `first_id` rows: their id column's, else (no column, or null) `first_id` + position, as
+    `TokenizedRows` numbers them."""
+    at = first_id
+    for batch in ids_of(rows, fields):
+        for value in batch:
+            yield str(value) if value is not None else str(at)
+            at += 1
+    yield from (str(i) for i in range(at, first_id + len(rows)))  # the rows of a Dataset without an id column
 
 
 def _name(source: Any) -> str:

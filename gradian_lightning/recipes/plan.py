@@ -252,7 +252,7 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
     """What `gradian index` will write for `rows` rows: modules, row width, and bytes per storage dtype
     (the rows, their per-module float32 norms (and int8's scales) and the row statistics, index/layout.py and
     index/statistics.py; the per-row flags and zarr's metadata are left out). `statistics_bytes`
-    is the statistics' share: mostly fixed, whatever the row count.
+    is the statistics' share: about 4× the int8 rows below k² rows, then fixed.
 
     `model` may live on the meta device.
     """

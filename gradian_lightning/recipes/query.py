@@ -111,15 +111,13 @@ class QueryRows:
     """The query rows of `gradian query`, made once per scored checkpoint with its saved model.
 
     rows: {checkpoint step: [Q, D] float32 on `device`}; readers: {step: the index read at that
-    checkpoint}; models: {step: (model, tokenizer)}, kept only when asked (for token terms);
-    weights: {step: its weight in the sum (index/checkpoints.py)}, 1.0 for a lone checkpoint.
-    `scorers(spec)` scores them.
+    checkpoint}; models: {step: (model, tokenizer)}, kept only when asked (for token terms).
+    `scorers(spec)` scores them, each checkpoint with its weight in the sum.
     """
 
     rows: Dict[int, torch.Tensor]
     readers: Dict[int, IndexReader]
     models: Dict[int, tuple]
-    weights: Dict[int, float]
     device: torch.device
     index: IndexReader
 
@@ -185,7 +183,9 @@ def make_query_rows(
         model, tokenizer = load_saved_model(cfg.model, name)
         if keep_models:
             kept[step] = (model, tokenizer)
-        model.to(fabric.device)
+        # Cast as the Trainer cast the indexed model (bf16-true: bf16 weights), then placed; the
+        # wrapper setup_module returns is not used: the rows come from the module itself.
+        fabric.setup_module(model)
         rows[step] = query_gradients(
             reader,
             model,
@@ -198,9 +198,7 @@ def make_query_rows(
             settings=spec,
             given=given,
         )
-    chosen = checkpoint_weights(index.checkpoints, which)
-    weights = {int(e["step"]): w for e, w in chosen} if len(rows) > 1 else {step: 1.0 for step in rows}
-    return QueryRows(rows, readers, kept, weights, fabric.device, index.reader)
+    return QueryRows(rows, readers, kept, fabric.device, index.reader)
 
 
 def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:

@@ -5,8 +5,8 @@
 
 For each query it shows the top rows and opponents of the results file with their percentile among
 every row's score and a histogram of those scores, each checkpoint's share when several were
-summed, the flags of each row, and, for the first `report.token_rows` rows, each supervised
-token's share of the score (query/token_scores.py). docs/report.md explains every number.
+summed, the flags of each row, and, for the first `report.token_rows` rows, each token's share of
+the score (query/token_scores.py), computed once per shown row under a progress bar. docs/report.md explains every number.
 """
 
 from __future__ import annotations
@@ -17,15 +17,18 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from gradian_lightning.config import require
 from gradian_lightning.data import Fields, row_snippet
 from gradian_lightning.data_sources import indexed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.scorer import Scorer
+from gradian_lightning.query.token_scores import for_query, row_token_terms, summed_over_checkpoints
 from gradian_lightning.query.topk import score_all
 from gradian_lightning.recipes.query import (
-    add_token_terms,
+    QueryRows,
     check_writable,
     describe_scoring,
     make_query_rows,
@@ -64,6 +67,8 @@ def _shown(
         }
         if i in explained:
             row.update(tokens=explained[i]["tokens"], terms=explained[i]["terms"])
+            if "supervised" in explained[i]:
+                row["supervised"] = explained[i]["supervised"]
         out.append(row)
     return out
 
@@ -112,6 +117,40 @@ def report_data(
         "checkpoint_steps": sorted(by_checkpoint),
         "queries": pages,
     }
+
+
+def token_explainer(
+    results: Sequence[Dict[str, Any]],
+    token_rows: int,
+    train_rows: Sequence[Dict[str, Any]],
+    made: QueryRows,
+    scorers: List[Scorer],
+) -> Explain:
+    """The `explain` of `report_data` for the page's shaded rows: the first `token_rows` top rows
+    and opponents of each query in `results`. Each distinct row is explained once per checkpoint
+    for every query at once (one forward/backward: query/token_scores.py), under a progress bar
+    with an ETA, before the page is built; `explain(q, rows, positions)` then reads query q's terms,
+    summed over the `scorers` (one per checkpoint, `shortcut=False`) with their weights, as
+    `gradian query` sums scores. `made` must have kept its models."""
+    wanted = sorted(
+        {
+            int(e["index"])
+            for entry in results
+            for e in list(entry.get("results", []))[:token_rows] + list(entry.get("opponents", []))[:token_rows]
+        }
+    )
+    rows = [train_rows[i] for i in wanted]
+    by_checkpoint = []
+    with tqdm(total=len(wanted) * len(scorers), desc="gradian report: token terms", unit="row") as bar:
+        for scorer in scorers:
+            model, tokenizer = made.models[scorer.index.step]
+            terms = row_token_terms(scorer, model, tokenizer, rows, done=bar.update)
+            by_checkpoint.append((scorer.weight, dict(zip(wanted, terms))))
+
+    def explain(q: int, shown: List[Dict[str, Any]], positions: List[int]) -> List[Dict[str, Any]]:
+        return summed_over_checkpoints([(w, for_query([terms[p] for p in positions], q)) for w, terms in by_checkpoint])
+
+    return explain
 
 
 def page_title(model: Optional[str], index_path: str) -> str:
@@ -167,16 +206,12 @@ def run_report(cfg: Any) -> Path:
     if len(scorers) > 1:  # each checkpoint scored alone, weighted as in the sum
         for scorer in scorers:
             by_checkpoint[scorer.index.step] = score_all([scorer]).numpy()
-    explaining = made.scorers(q, shortcut=False) if cfg.report.token_rows else []
-
-    def explain(qi: int, rows: List[Dict[str, Any]], positions: List[int]) -> List[Dict[str, Any]]:
-        # The token terms of the shown rows, summed over checkpoints as `gradian query` sums them.
-        shown = [{"index": p} for p in positions]
-        add_token_terms(shown, qi, train_rows, made, explaining)
-        return shown
+    explain = None
+    if cfg.report.token_rows:
+        explain = token_explainer(results, cfg.report.token_rows, train_rows, made, made.scorers(q, shortcut=False))
 
     steps = len(made.rows)
-    note = "Token terms sum to the row's score from its unrounded gradient (the ranked score uses the rows as stored, rounded to grads.storage_dtype)."
+    note = "A token's term is the share of the score carried at its position (its activations, and the gradient the row's loss sends back to them: a token's includes the loss of predicting the next token). Token terms sum to the row's score from its unrounded gradient (the ranked score uses the rows as stored, rounded to grads.storage_dtype)."
     if steps > 1:
         note += f" They are summed over the {steps} checkpoints, as the score is."
     data_ = report_data(
@@ -186,7 +221,7 @@ def run_report(cfg: Any) -> Path:
         results,
         scores,
         by_checkpoint,
-        explain if cfg.report.token_rows else None,
+        explain,
         cfg.report.token_rows,
         describe_scoring(scorers),
         note,

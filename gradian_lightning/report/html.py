@@ -52,19 +52,21 @@ def histogram_svg(
     return f'<svg class="histogram" width="{width}" height="{height}" role="img" aria-label="histogram of {len(scores)} scores">{rects}{ticks}{labels}</svg>'
 
 
-def _token_html(tokens: List[str], terms: List[Optional[float]]) -> str:
-    """Tokens with supervised ones shaded by their term: green helps the score, red opposes it."""
+def _token_html(tokens: List[str], terms: List[Optional[float]], supervised: Optional[Sequence[bool]] = None) -> str:
+    """Tokens shaded by their term: green helps the score, red opposes it; a token without a term
+    is grey, and so is the text of a prompt token (`supervised` False) shaded by its term."""
     scale = max((abs(t) for t in terms if t is not None), default=0.0) or 1.0
     parts = []
-    for token, term in zip(tokens, terms):
+    for i, (token, term) in enumerate(zip(tokens, terms)):
         text = esc(token)
         if term is None:
             parts.append(f'<span class="prompt">{text}</span>')
             continue
         alpha = min(1.0, abs(term) / scale) * 0.85
         color = f"rgba(39,174,96,{alpha:.2f})" if term >= 0 else f"rgba(192,57,43,{alpha:.2f})"
+        kind = "tok prompt" if supervised is not None and not supervised[i] else "tok"
         parts.append(
-            f'<span class="tok" data-term="{term:.6g}" title="{term:+.4g}" style="background:{color}">{text}</span>'
+            f'<span class="{kind}" data-term="{term:.6g}" title="{term:+.4g}" style="background:{color}">{text}</span>'
         )
     return "".join(parts)
 
@@ -89,7 +91,7 @@ def _rows_table(rows: List[Dict[str, Any]], steps: Sequence[int]) -> str:
     head = (
         "<tr><th>rank</th><th>row</th><th>score</th><th>percentile</th>"
         + ("".join(f"<th>step {s}</th>" for s in steps) if wide else "<th>by checkpoint</th>" if steps else "")
-        + "<th>text (supervised tokens shaded by their share of the score)</th></tr>"
+        + "<th>text (tokens shaded by their share of the score)</th></tr>"
     )
     body = []
     for r in rows:
@@ -99,7 +101,7 @@ def _rows_table(rows: List[Dict[str, Any]], steps: Sequence[int]) -> str:
             by_step = "".join(f'<td class="num">{s:+.4f}</td>' for s in shares)
         else:
             by_step = f"<td>{shares_svg(shares, steps)}</td>" if steps else ""
-        text = _token_html(r["tokens"], r["terms"]) if r.get("tokens") else esc(r.get("text", ""))
+        text = _token_html(r["tokens"], r["terms"], r.get("supervised")) if r.get("tokens") else esc(r.get("text", ""))
         body.append(
             f'<tr class="result" data-index="{r["index"]}"><td class="num">{r["rank"]}</td><td>{esc(r["id"])}{flags}</td>'
             f'<td class="num">{r["score"]:+.4f}</td><td class="num">{r["percentile"]:.1f}</td>{by_step}<td>{text}</td></tr>'
@@ -135,7 +137,7 @@ def render(report: Dict[str, Any]) -> str:
         + f'{esc(report["token_note"])} Flags: <span class="flag">truncated</span> the completion was cut by grads.max_seq_length; '
         '<span class="flag">not finite</span> the gradient had NaN/inf (never ranked).</p>'
         f'<p class="legend">Token shading: <span class="tok" style="background:rgba(39,174,96,.7)">raises the score</span> '
-        '<span class="tok" style="background:rgba(192,57,43,.7)">lowers it</span>, in proportion to the largest term of the row; hover for the value. Grey: prompt (not supervised).</p>'
+        '<span class="tok" style="background:rgba(192,57,43,.7)">lowers it</span>, in proportion to the largest term of the row; hover for the value. Grey text: prompt (not supervised).</p>'
         + "".join(sections)
         + "</body></html>"
     )

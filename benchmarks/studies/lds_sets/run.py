@@ -50,7 +50,7 @@ def spec_for(kind: str, rows: int, smoke: bool) -> SetSpec:
         spec = SetSpec(kind, rows)
     if smoke:
         spec.rows, spec.queries, spec.base_rows, spec.base_epochs = min(rows, 48), 6, 48, 2
-        spec.num_subsets, spec.repeats, spec.epochs, spec.seeds = 3, 2, 1, [0]
+        spec.num_subsets, spec.repeats, spec.epochs, spec.seeds = 5, 2, 1, [0]  # 5: validate's least
         spec.formats = spec.formats[:1]
     return spec
 

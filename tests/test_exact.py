@@ -1,0 +1,130 @@
+"""The exact pass (query/exact.py) against a dense per-example computation on a float64 tiny Llama:
+per-example weight gradients from autograd, flattened per module, the K-FAC curvature built as
+the Kronecker product G ⊗ A and EK-FAC's as (Q_G ⊗ Q_A) diag(Λ) (Q_G ⊗ Q_A)ᵀ, scores
+g_qᵀ (H + λ I)⁻¹ g_n by a dense solve, summed over modules."""
+
+import pytest
+import torch
+from conftest import ROWS
+from test_factors import KEYS, SPEC, batches, per_example_gradients, tiny
+
+from gradian_lightning import GradianError, IndexSpec, JsonlDataset, collate
+from gradian_lightning.gradients.capture import select_modules
+from gradian_lightning.gradients.factors import FactorFit, fit_factors
+from gradian_lightning.query.exact import ExactPass
+
+QUERIES = [
+    {"prompt": "what city is blue ?", "completion": " rome is blue"},
+    {"prompt": "tell me the color .", "completion": " red"},
+]
+
+
+def query_batch(tokenizer):
+    return {k: v for k, v in collate(JsonlDataset(QUERIES, tokenizer, 64).examples).items() if k in KEYS}
+
+
+def dense_curvature(factors, name, ekfac):
+    """H [out·in, out·in] of one module, row-major vec of the [out, in] gradient, and its damping λ."""
+    q_a, lam_a, q_g, lam_g = factors.bases[name]
+    if ekfac:
+        q = torch.kron(q_g, q_a)
+        h = q @ torch.diag(factors.eigenvalues[name].flatten()) @ q.T
+    else:
+        a = q_a @ torch.diag(lam_a) @ q_a.T
+        g = q_g @ torch.diag(lam_g) @ q_g.T
+        h = torch.kron(g, a)
+    return h, torch.linalg.eigvalsh(h).mean()
+
+
+def dense_scores(model, tokenizer, factors, damping, ekfac):
+    modules = select_modules(model, SPEC.module_filter)
+    queries = per_example_gradients(model, query_batch(tokenizer), modules)
+    train = [per_example_gradients(model, b, modules) for b in batches(tokenizer)]
+    total = 0
+    for name in modules:
+        gq = queries[name].flatten(1)  # [Q, out·in]
+        gn = torch.cat([t[name] for t in train]).flatten(1)  # [N, out·in]
+        if factors is None:
+            total = total + gq @ gn.T
+            continue
+        h, mean = dense_curvature(factors, name, ekfac)
+        solved = torch.linalg.solve(h + damping * mean * torch.eye(h.shape[0], dtype=h.dtype), gq.T)
+        total = total + solved.T @ gn.T
+    return total
+
+
+@pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
+@pytest.mark.parametrize("order", ["tokens", "examples"])
+def test_factored_influence_equals_the_dense_solve(tokenizer, ekfac, order):
+    model = tiny(tokenizer)
+    factors = fit_factors(model, SPEC, batches(tokenizer), ekfac=ekfac, dtype=torch.float64)
+    expected = dense_scores(model, tokenizer, factors, 0.1, ekfac)
+    exact = ExactPass(model, SPEC, query_batch(tokenizer), factors, damping=0.1, order=order, dtype=torch.float64)
+    scores = exact.score_all(batches(tokenizer), len(ROWS))
+    assert scores.shape == (len(QUERIES), len(ROWS))
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # The damping matters at this size: without it the scores would differ (the check can fail).
+    loose = dense_scores(model, tokenizer, factors, 1.0, ekfac)
+    assert not torch.allclose(loose, expected, rtol=1e-3)
+
+
+def test_inner_product_and_whole_row_cosine_equal_the_dense_ones(tokenizer):
+    model = tiny(tokenizer)
+    modules = select_modules(model, SPEC.module_filter)
+    inner = dense_scores(model, tokenizer, None, 0, False)
+    queries = per_example_gradients(model, query_batch(tokenizer), modules)
+    train = [per_example_gradients(model, b, modules) for b in batches(tokenizer)]
+    qn = torch.cat([queries[n].flatten(1) for n in modules], 1).norm(dim=1)
+    tn = torch.cat([torch.cat([t[n] for t in train]).flatten(1) for n in modules], 1).norm(dim=1)
+    for order in ("tokens", "examples"):
+        plain = ExactPass(model, SPEC, query_batch(tokenizer), order=order, dtype=torch.float64)
+        torch.testing.assert_close(plain.score_all(batches(tokenizer), len(ROWS)), inner, rtol=1e-7, atol=1e-10)
+        cosine = ExactPass(model, SPEC, query_batch(tokenizer), cosine=True, order=order, dtype=torch.float64)
+        expected = inner / (qn[:, None] * tn[None, :])
+        torch.testing.assert_close(cosine.score_all(batches(tokenizer), len(ROWS)), expected, rtol=1e-7, atol=1e-10)
+    assert plain.nbytes_per_query() == 8 * sum(m.weight.numel() for m in modules.values())
+
+
+def test_exact_pass_leaves_grad_modes_and_rng_alone(tokenizer):
+    model = tiny(tokenizer).train()
+    modes = [m.training for m in model.modules()]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    ExactPass(model, SPEC, query_batch(tokenizer), cosine=True, dtype=torch.float64).score(batches(tokenizer)[0])
+    assert [m.training for m in model.modules()] == modes and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in model.parameters())
+
+
+def test_arguments_without_a_meaning_are_refused(tokenizer):
+    model = tiny(tokenizer)
+    factors = fit_factors(model, SPEC, batches(tokenizer)[:1], ekfac=False, dtype=torch.float64)
+    with pytest.raises(GradianError, match="cannot take factors; pass factors=None"):
+        ExactPass(model, SPEC, query_batch(tokenizer), factors, cosine=True)
+    with pytest.raises(GradianError, match=r"ExactPass\(order='rows'\) is not a contraction order"):
+        ExactPass(model, SPEC, query_batch(tokenizer), order="rows")
+    fit = FactorFit(model, SPEC, dtype=torch.float64)
+    other = FactorFit(model, IndexSpec(module_filter=["down_proj"], projection_dim=None), dtype=torch.float64)
+    with pytest.raises(GradianError, match="cannot be added"):
+        fit.covariances(batches(tokenizer)[0]) + other.covariances(batches(tokenizer)[0])
+    with pytest.raises(GradianError, match="no batch to fit factors on"):
+        fit_factors(model, SPEC, [])
+
+
+def test_a_head_run_on_the_supervised_positions_only_is_scored_exactly(tokenizer):
+    """Under `logits_to_keep` the output head sees [n, in] gathered positions, not [B, T, in]."""
+    model = tiny(tokenizer)
+    spec = IndexSpec(module_filter=["lm_head", "layers.1.mlp.down_proj"], projection_dim=None)
+    modules = select_modules(model, spec.module_filter)
+    factors = fit_factors(model, spec, batches(tokenizer), ekfac=True, dtype=torch.float64)
+    queries = per_example_gradients(model, query_batch(tokenizer), modules)
+    train = [per_example_gradients(model, b, modules) for b in batches(tokenizer)]
+    expected = 0
+    for name in modules:
+        h, mean = dense_curvature(factors, name, ekfac=True)
+        solved = torch.linalg.solve(h + 0.1 * mean * torch.eye(h.shape[0], dtype=h.dtype), queries[name].flatten(1).T)
+        expected = expected + solved.T @ torch.cat([t[name] for t in train]).flatten(1).T
+    exact = ExactPass(model, spec, query_batch(tokenizer), factors, damping=0.1, dtype=torch.float64)
+    scores = exact.score_all(batches(tokenizer), len(ROWS))
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

@@ -1,0 +1,169 @@
+"""Full-space K-FAC / EK-FAC factors (gradients/factors.py) against their definitions, computed here
+independently: plain forward hooks and autograd on a float64 tiny Llama, per-example weight
+gradients from `torch.autograd.grad` on the parameters themselves."""
+
+import torch
+from conftest import ROWS, make_model
+
+from gradian_lightning import IndexSpec, JsonlDataset, collate
+from gradian_lightning.gradients.capture import select_modules
+from gradian_lightning.gradients.factors import Eigenbases, FactorFit, Factors, carrying_positions, fit_factors
+from gradian_lightning.gradients.loss import supervised_token_loss
+
+SPEC = IndexSpec(module_filter=["*.layers.*"], projection_dim=None, storage_dtype="float32")
+KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def tiny(tokenizer):
+    """A float64 tiny Llama (hidden 16, MLP 32): dense Kronecker products stay small."""
+    return make_model(len(tokenizer), hidden=16).double()
+
+
+def batches(tokenizer, size=3):
+    examples = JsonlDataset(ROWS, tokenizer, 64).examples
+    return [{k: v for k, v in collate(examples[i : i + size]).items() if k in KEYS} for i in range(0, len(ROWS), size)]
+
+
+def carrying(batch):
+    """Attended positions at or before each row's last supervised one, by a loop over rows."""
+    mask = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    for b, labels in enumerate(batch["labels"].tolist()):
+        predicted = [t - 1 for t in range(1, len(labels)) if labels[t] != -100]
+        if predicted:
+            mask[b, : max(predicted) + 1] = batch["attention_mask"][b, : max(predicted) + 1].bool()
+    return mask
+
+
+def inputs_and_output_grads(model, batch, modules):
+    """Each module's input [B, T, in] and d (sum of losses) / d output [B, T, out], by hooks."""
+    inputs, outputs = {}, {}
+
+    def keep(name):
+        def hook(module, args, output):
+            inputs[name], outputs[name] = args[0].detach(), output
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in modules.items()]
+    try:
+        losses = supervised_token_loss(model, batch)
+        grads = torch.autograd.grad(losses.sum(), [outputs[n] for n in modules])
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs, dict(zip(modules, grads))
+
+
+def per_example_gradients(model, batch, modules):
+    """name -> [B, out, in]: autograd of each example's loss, one forward each, on the module weights."""
+    weights = [m.weight for m in modules.values()]
+    rows = []
+    for b in range(batch["input_ids"].shape[0]):
+        loss = supervised_token_loss(model, {k: v[b : b + 1] for k, v in batch.items()})[0]
+        rows.append(torch.autograd.grad(loss, weights, allow_unused=True, materialize_grads=True))
+    return {n: torch.stack([r[i] for r in rows]) for i, n in enumerate(modules)}
+
+
+def test_carrying_positions_are_those_with_gradient(tokenizer):
+    model = tiny(tokenizer)
+    modules = select_modules(model, SPEC.module_filter)
+    for batch in batches(tokenizer):
+        mask = carrying_positions(batch)
+        assert torch.equal(mask, carrying(batch))
+        _, grads = inputs_and_output_grads(model, batch, modules)
+        # Outside the mask the output-gradient is exactly zero: A leaves out nothing G sees.
+        assert all(torch.count_nonzero(g[~mask]) == 0 for g in grads.values())
+
+
+def test_covariances_equal_their_definitions(tokenizer):
+    model = tiny(tokenizer)
+    modules = select_modules(model, SPEC.module_filter)
+    parts = batches(tokenizer)
+    fit = FactorFit(model, SPEC, dtype=torch.float64)
+    total = sum((fit.covariances(b) for b in parts[1:]), fit.covariances(parts[0]))
+    for name in modules:
+        a = g = 0
+        positions = examples = 0
+        for batch in parts:
+            inputs, grads = inputs_and_output_grads(model, batch, modules)
+            mask = carrying(batch)
+            x, d = inputs[name][mask], grads[name][mask]
+            a, g = a + x.T @ x, g + d.T @ d
+            positions += int(mask.sum())
+            examples += int((batch["labels"] != -100).any(1).sum())
+        torch.testing.assert_close(total.tensors[f"{name}/A"], a, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(total.tensors[f"{name}/G"], g, rtol=1e-10, atol=1e-12)
+        assert int(total.tensors[f"{name}/positions"]) == positions
+    assert int(total.tensors["examples"]) == examples == len(ROWS)
+
+
+def test_ekfac_eigenvalues_equal_the_per_example_computation(tokenizer):
+    model = tiny(tokenizer)
+    modules = select_modules(model, SPEC.module_filter)
+    parts = batches(tokenizer)
+    factors = fit_factors(model, SPEC, parts, ekfac=True, dtype=torch.float64)
+    kfac = fit_factors(model, SPEC, parts, ekfac=False, dtype=torch.float64)
+    for name in modules:
+        q_a, lam_a, q_g, lam_g = factors.bases[name]
+        rotated = torch.cat([q_g.T @ per_example_gradients(model, b, modules)[name] @ q_a for b in parts])
+        torch.testing.assert_close(factors.eigenvalues[name], rotated.square().mean(0), rtol=1e-9, atol=1e-14)
+        torch.testing.assert_close(kfac.eigenvalues[name], torch.outer(lam_g, lam_a))
+        # The bases diagonalise A and G as defined (per position, per example).
+        assert torch.all(lam_a >= 0) and torch.all(lam_g >= 0)
+
+
+def test_halves_merged_equal_the_whole(tokenizer):
+    model = tiny(tokenizer)
+    examples = JsonlDataset(ROWS, tokenizer, 64).examples
+    whole, first, second = ({k: collate(e)[k] for k in KEYS} for e in (examples, examples[:3], examples[3:]))
+    fit = FactorFit(model, SPEC, dtype=torch.float64)
+    merged = fit.covariances(first) + fit.covariances(second)
+    expected = fit.covariances(whole)
+    assert set(merged.tensors) == set(expected.tensors)
+    for key, value in expected.tensors.items():
+        torch.testing.assert_close(merged.tensors[key], value, rtol=1e-9, atol=1e-12)
+    bases = Eigenbases.from_sums(merged, torch.float64)
+    lambdas = fit.lambdas(first, bases) + fit.lambdas(second, bases)
+    for key, value in fit.lambdas(whole, bases).tensors.items():
+        torch.testing.assert_close(lambdas.tensors[key], value, rtol=1e-9, atol=1e-14)
+    assert Factors(bases, lambdas).kind == "ekfac" and Factors(bases).kind == "kfac"
+    # What an index would store, read back: the same preconditioning.
+    factors = Factors(bases, lambdas)
+    again = Factors.from_state({k: v.clone() for k, v in factors.state().items()}, factors.kind)
+    g = torch.randn(2, *factors.eigenvalues["model.layers.0.mlp.down_proj"].shape, dtype=torch.float64)
+    for damping in (0.1, 0.0):
+        torch.testing.assert_close(
+            again.precondition("model.layers.0.mlp.down_proj", g, damping),
+            factors.precondition("model.layers.0.mlp.down_proj", g, damping),
+        )
+    assert again.kind == "ekfac" and again.nbytes() == factors.nbytes()
+
+
+def test_fit_leaves_grad_modes_and_rng_alone(tokenizer):
+    model = tiny(tokenizer).train()
+    model.model.layers[1].eval()
+    modes = [m.training for m in model.modules()]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    factors = fit_factors(model, SPEC, batches(tokenizer), dtype=torch.float64)
+    assert [m.training for m in model.modules()] == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+    assert factors.nbytes() > 0
+
+
+def test_a_fit_inside_lightnings_inference_mode_gives_the_same_sums(tokenizer):
+    """The callback fits inside Lightning's validation loop, under `torch.inference_mode`."""
+    model = tiny(tokenizer)
+    fit = FactorFit(model, SPEC, dtype=torch.float64)
+    first, second = batches(tokenizer)[:2]
+    with torch.inference_mode():
+        inside = fit.covariances(first) + fit.covariances(second)
+        bases = Eigenbases.from_sums(inside, torch.float64)
+        lambdas = fit.lambdas(first, bases)
+    outside = fit.covariances(first) + fit.covariances(second)
+    assert all(torch.equal(inside.tensors[k], v) for k, v in outside.tensors.items())
+    merged = lambdas + fit.lambdas(second, bases)  # an inference-mode sum adds to an ordinary one
+    assert torch.equal(merged.tensors["examples"], inside.tensors["examples"])
