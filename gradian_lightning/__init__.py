@@ -20,6 +20,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       topk.py                  streaming_topk, score_all (every row, dense) over scorers, Ranking, open_index -> Index
       exact.py                 ExactPass: queries' full gradients (K-FAC / EK-FAC preconditioned) scored against every training row, no row stored
       dask_engine.py           dask_topk: a Scorer's scores as Dask reductions on a cluster (query.engine=dask)
+      ann.py                   ann_topk: FAISS shards of the rows as a Scorer compares them propose candidates, scored exactly (query.search=ann)
       token_scores.py          each token's term of a row's score, one backward per row (Scorer.token_terms)
     index/                     writing and reading the zarr store: knows nothing of scoring or Lightning
       session.py               IndexSession: bind a model, begin -> add batches -> finish (or abort): one index

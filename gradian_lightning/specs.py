@@ -27,6 +27,9 @@ NORMALIZE = ("auto", "module", "row")
 # auto: fisher where the index kept the k²×k² second moments and counted at least k² rows, ekfac
 # below that, diag where it kept none (query/precondition.py; the N sweep of benchmarks/studies/lds_sets).
 PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
+# exact: scan every row; ann: candidates from FAISS indexes, re-scored exactly; auto: ann past a
+# measured row count (query/ann.py).
+SEARCHES = ("exact", "ann", "auto")
 DEFAULT_DAMPING = 1.0
 
 
@@ -166,6 +169,13 @@ class QuerySpec:
     precondition: "auto", "none", "diag", "fisher" or "ekfac" (query/precondition.py).
     damping: added to the preconditioner, relative to the mean eigenvalue of each module's second moment.
     checkpoints: "all", "last" or a list of steps: whose scores are summed (index/checkpoints.py).
+    search: "exact" (scan every row), "ann" (candidates from FAISS indexes, re-scored exactly) or
+        "auto" (ann from a measured row count on); query/ann.py.
+    ann_candidates: rows each ANN shard proposes per query, all re-scored exactly.
+    ann_nprobe: IVF lists searched per shard and query (more: better recall, slower).
+    ann_sketch_dim: width the rows as compared are count-sketched to before FAISS indexes them
+        (wider rows only).
+    ann_shard_rows: rows per ANN shard, each one FAISS index built and searched on its own.
     """
 
     top_k: Any = 10
@@ -175,6 +185,11 @@ class QuerySpec:
     precondition: str = "auto"
     damping: float = DEFAULT_DAMPING
     checkpoints: Any = "all"
+    search: str = "exact"
+    ann_candidates: int = 100
+    ann_nprobe: int = 32
+    ann_sketch_dim: int = 512
+    ann_shard_rows: int = 1_000_000
 
     def __post_init__(self) -> None:
         steps = plain(self.checkpoints)
@@ -198,6 +213,16 @@ class QuerySpec:
             plain(steps) if not isinstance(steps, tuple) else list(steps),
             "last, all or a list of checkpoint steps",
         )
+        check(self.search in SEARCHES, "query.search", self.search, " or ".join(SEARCHES))
+        check(
+            not (self.search == "ann" and k == "all"),
+            "query.search",
+            self.search,
+            "exact (or auto) with query.top_k=all: the ANN search proposes candidates for a top-k, not every row",
+        )
+        for key in ("ann_candidates", "ann_nprobe", "ann_sketch_dim", "ann_shard_rows"):
+            value = getattr(self, key)
+            check(is_int(value) and value >= 1, f"query.{key}", value, "an integer >= 1")
 
     @classmethod
     def from_config(cls, query: Any) -> "QuerySpec":

@@ -22,6 +22,7 @@ SCRIPTS = {  # module -> a row its smoke table must hold
     "perf.loss_memory": "| 2 | 32 | 25% |",
     "perf.loss_chunking": "| 2 | 32 | 8 |",
     "perf.query_throughput": "| 8 |",
+    "perf.ann_search": "| clustered | 3,000 | ann |",
     "perf.report_cost": "| tiny | 12 | 2 |",
     "perf.index_size": "| all Linear |",
     "perf.dask_engine": "| dask (dask_topk) |",
@@ -33,7 +34,11 @@ SCRIPTS = {  # module -> a row its smoke table must hold
     "studies.fidelity": "| 16 | float16 |",
     "studies.lds": "| fact, fine-tuned, base+ft | k = 16, defaults (auto) |",
 }
-STUDY_FILES = {"perf.peer_kronfluence": "peer_kronfluence.fact.json", "studies.lds": "seeds.fact.json"}
+STUDY_FILES = {
+    "perf.peer_kronfluence": "peer_kronfluence.fact.json",
+    "studies.lds": "seeds.fact.json",
+    "perf.ann_search": "ann_search.clustered.json",  # one result file per --data
+}
 NEEDS_SMOLLM2_TOKENIZER = {"perf.index_size", "perf.peer_bergson", "studies.fidelity"}
 
 

@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
 from gradian_lightning.specs import QuerySpec, spec_from_arguments
@@ -196,6 +197,10 @@ class Index:
         (specs.py: score, normalize, precondition, ...). The index is streamed chunk by chunk.
         """
         spec = spec_from_arguments(QuerySpec, "Index.topk", (), {"top_k": k, **settings}, ("query_rows", "k", "device"))
+        if spec.search != "exact":  # ann.py builds on this module, so it is called there, not from here
+            raise ConfigError(
+                f"Index.topk(search={spec.search!r}) is the exact scan; for the two-stage search call gradian_lightning.query.ann.ann_topk(checkpoint_scorers(index.reader, query_rows, QuerySpec(search='ann', ...), shortcut=False)), or leave search=exact"
+            )
         top, bottom = streaming_topk(checkpoint_scorers(self.reader, query_rows, spec, device))
         return Ranking(top.indices, top.scores, opponents=bottom)
 

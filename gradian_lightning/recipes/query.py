@@ -24,6 +24,7 @@ from gradian_lightning.data_sources import indexed_rows, open_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.checkpoints import checkpoint_weights
 from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.ann import ann_topk, require_faiss, uses_ann
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
@@ -240,6 +241,10 @@ def run_query(cfg: Any, queries: Any = None, train: Any = None) -> Dict[str, Any
         # The cluster first: a scheduler that does not answer fails before the model loads.
         client = None
         if cfg.query.engine == "dask":
+            if cfg.query.search == "ann":
+                raise ConfigError(
+                    "setting 'query.search'='ann' runs on the local engine, and query.engine=dask scans every row exactly; set query.engine=local to search the ANN index, or query.search=exact"
+                )
             check_workers_can_open(index)
             client = stack.enter_context(dask_client(cfg.query.dask_scheduler))
         return _answer(cfg, queries, index, spec, given, client, train)
@@ -261,17 +266,25 @@ def _answer(
         raise ConfigError(
             f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {chosen} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
         )
+    searched = client is None and uses_ann(q, len(index))
+    if searched:
+        require_faiss()  # before the model loads
     made = make_query_rows(cfg, index, queries, spec, given, which, keep_models=cfg.query.token_scores)
     if client is not None:
         ((step, rows),) = made.rows.items()
         scorers = [Scorer(made.readers[step], q).prepare(rows.cpu())]
         top, bottom = dask_topk(scorers[0], client=client)
+    elif searched:  # two-stage: ANN candidates (the ANN index built on first use), re-scored exactly
+        scorers = made.scorers(q, shortcut=False)
+        top, bottom = ann_topk(scorers)
     else:
         scorers = made.scorers(q)
         top, bottom = streaming_topk(scorers)
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     scoring = describe_scoring(scorers)
+    if searched:
+        scoring += f"; exact scores of {q.ann_candidates} ANN candidates per shard and query (query.search={q.search})"
     for entry in results:
         entry["scoring"] = scoring
     # Row texts only from the very data that was indexed: edited data no longer lines up.

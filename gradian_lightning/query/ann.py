@@ -1,0 +1,301 @@
+"""`query.search: ann`: candidates from FAISS indexes of the rows as they are compared, re-scored exactly.
+
+    rows lo..hi-1 of one checkpoint --`compared_rows` (the Scorer's preconditioner and normalisation)--> [c, D]
+      --`Sketch` (a count sketch to query.ann_sketch_dim, only for wider rows)--> [c, d] float32
+      --one FAISS IVF index (inner product, 8-bit codes) per shard of query.ann_shard_rows rows-->
+        index.path/ann/<scoring>/shard-00000.faiss ... and ann.json last, once every shard is written
+    queries: the Scorer's own prepared queries [Q, D] --the same sketch--> [Q, d]
+      --each shard: its query.ann_candidates best rows by approximate inner product--> candidate positions
+      --read back from the zarr rows, scored by `Scorer.score` and summed over checkpoints like the
+        exact scan--> the exact top-k of the candidates, a `Ranking`
+
+Why an inner-product search ranks like the scorer: for every setting `Scorer.score` is q̂ · r̂, with q̂
+its prepared queries and r̂ the row as compared: preconditioned, then scaled to unit norm per module
+(per-module cosine), as a whole (row cosine) or not at all (inner). An index of r̂ searched with q̂
+orders rows by the exact score; only the IVF's probing and the sketch approximate it. The count
+sketch (each coordinate added, with a random sign, into one of d buckets) keeps inner products
+unbiased with a standard deviation of about |q̂||r̂|/√d: 1/√d on the cosine scale (|q̂||r̂| = 1 for
+both cosines), 0.044 at the default d = 512, against a 92,160-wide default row. The candidates
+absorb that noise and the re-scoring removes it: the ranking returned is of exact scores.
+
+Each shard is built and searched on its own (`build_shard`): Dask workers, or separate processes, can
+build shards in parallel. Crash safety is that of the statistics: a shard's file is followed by its
+own marker, and ann.json is written after every shard; a folder without ann.json, or whose ann.json
+describes another state of the index, is never searched: the next query builds (or finishes) it.
+`faiss-cpu` comes with `pip install "gradian-lightning[ann]"`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from gradian_lightning.extras import require_extra
+from gradian_lightning.query.scorer import Scorer, unit_modules
+from gradian_lightning.query.topk import MERGE_COLUMNS, Ranking
+from gradian_lightning.specs import QuerySpec
+
+FOLDER = "ann"  # under index.path, beside the zarr arrays
+MANIFEST = "ann.json"  # written last: the ANN index is finished
+FORMAT = 1  # of the files below; another format is rebuilt
+SKETCH_SEED = 0
+# IVF lists are trained on an even sample of this many rows a list: k-means time is linear in it,
+# and FAISS itself asks for at least 39.
+TRAIN_PER_LIST = 64
+# query.search=auto searches the ANN index from this many rows on. Measured (benchmarks/RESULTS.md
+# §15): at 10⁵ rows a batch of 8 queries is answered 3.7-6.4× faster than by the scan (the build,
+# 1-1.5 minutes once, not counted), and a scan of 10⁵ rows of the default width reads 9.2 GB. Below
+# it the scan is cheap enough that there is no reason to risk a missed row.
+AUTO_ANN_ROWS = 100_000
+
+
+def require_faiss() -> Any:
+    """The faiss module, or `MissingExtraError` naming the `ann` extra."""
+    return require_extra("faiss", "ann", "setting 'query.search'='ann'")
+
+
+def uses_ann(spec: QuerySpec, num_rows: int) -> bool:
+    """Whether `spec.search` searches an ANN index for an index of `num_rows` rows: ann always,
+    auto from `AUTO_ANN_ROWS` rows on (for a top_k that is a number), exact never."""
+    return spec.search == "ann" or (spec.search == "auto" and spec.top_k != "all" and num_rows >= AUTO_ANN_ROWS)
+
+
+def compared_rows(scorer: Scorer, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [c, D]: rows [c, D] as `scorer` compares them with its prepared queries, so that
+    `scorer.queries @ compared_rows(scorer, rows).T` are its scores. `scorer` must be made with
+    `shortcut=False` (its queries are then preconditioned once). `rows` may be overwritten."""
+    assert not scorer.shortcut, "the ANN index holds the preconditioned rows: Scorer(..., shortcut=False)"
+    if scorer.preconditioner is not None:
+        rows = scorer.preconditioner(rows)
+    if scorer.spec.score == "cosine" and scorer.spec.normalize == "module":
+        return unit_modules(rows, scorer.blocks)
+    if scorer.spec.score == "cosine":
+        return rows / rows.norm(dim=1, keepdim=True).clamp_min(torch.finfo(rows.dtype).tiny)
+    return rows
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """A count sketch of rows of `width` to `dim` columns (the identity when `width` <= `dim`):
+    column j of a row is added, times a random sign, into one of `dim` buckets, both drawn from
+    `seed`. Inner products of sketched rows estimate those of the rows without bias."""
+
+    width: int
+    dim: int
+    seed: int = SKETCH_SEED
+
+    @property
+    def out_dim(self) -> int:
+        return min(self.width, self.dim)
+
+    def __call__(self, rows: torch.Tensor) -> np.ndarray:
+        """float32 [n, out_dim] C-contiguous (what FAISS takes) of rows [n, width]."""
+        rows = rows.float()
+        if self.width <= self.dim:
+            return np.ascontiguousarray(rows.numpy())
+        g = torch.Generator().manual_seed(self.seed)
+        buckets = torch.randint(self.dim, (self.width,), generator=g)
+        signs = torch.randint(2, (self.width,), generator=g).float().mul_(2).sub_(1)
+        out = torch.zeros(len(rows), self.dim).index_add_(1, buckets, rows * signs)
+        return out.numpy()
+
+
+def _filesystem(index: Any) -> Tuple[Any, str]:
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(str(index.path))
+
+
+def identity(scorer: Scorer) -> Dict[str, Any]:
+    """What an ANN folder was built for, as its markers store it: the index's rows (fingerprint,
+    rows, rows written, checkpoint), the scoring and the build settings. Any difference rebuilds it."""
+    index, spec = scorer.index, scorer.spec
+    written = len(index) if index.meta.complete else int(index.column("complete").sum())
+    return {
+        "format": FORMAT,
+        "fingerprint": index.meta.fingerprint,
+        "num_rows": len(index),
+        "written": written,
+        "step": index.step,
+        "score": spec.score,
+        "normalize": spec.normalize,
+        "precondition": spec.precondition,
+        "damping": float(spec.damping),
+        "sketch_dim": spec.ann_sketch_dim,
+        "sketch_seed": SKETCH_SEED,
+        "shard_rows": spec.ann_shard_rows,
+    }
+
+
+def folder(scorer: Scorer) -> str:
+    """The ANN folder of `scorer`'s checkpoint and scoring, under index.path/ann/."""
+    fs, root = _filesystem(scorer.index)
+    s = scorer.spec
+    name = f"step{scorer.index.step}-{s.score}-{s.normalize}-{s.precondition}-{float(s.damping):g}-d{s.ann_sketch_dim}-s{s.ann_shard_rows}"
+    return f"{root.rstrip('/')}/{FOLDER}/{name}"
+
+
+def shard_ranges(num_rows: int, shard_rows: int) -> List[Tuple[int, int]]:
+    """Row ranges [lo, hi) of the shards: `shard_rows` rows each, the last one shorter."""
+    return [(lo, min(lo + shard_rows, num_rows)) for lo in range(0, num_rows, shard_rows)]
+
+
+def _lists(rows: int) -> int:
+    # IVF lists for a shard of `rows`: about 4·√n, with at least 39 training rows a list (FAISS's
+    # own minimum); under 2, the shard is too small to cluster and is searched flat.
+    return min(int(4 * rows**0.5), rows // 39)
+
+
+def _factory(lists: int) -> str:
+    # 8-bit scalar codes: a quarter of float32's bytes; the exact re-scoring undoes their rounding.
+    return f"IVF{lists},SQ8" if lists >= 2 else "IDMap,Flat"
+
+
+def _read_marker(fs: Any, path: str) -> Optional[Dict[str, Any]]:
+    return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+
+
+def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
+    """Build (or keep, when already finished for the same `identity`) shard `number` of `scorer`'s
+    ANN index: its rankable rows as compared, sketched, in one FAISS index with their dataset
+    positions as ids. Writes shard-NNNNN.faiss, then shard-NNNNN.json (its marker); returns the marker."""
+    faiss = require_faiss()
+    fs, where, ident = _filesystem(scorer.index)[0], folder(scorer), identity(scorer)
+    index, spec = scorer.index, scorer.spec
+    lo, hi = shard_ranges(len(index), spec.ann_shard_rows)[number]
+    data, marker_path = f"{where}/shard-{number:05d}.faiss", f"{where}/shard-{number:05d}.json"
+    marker = _read_marker(fs, marker_path)
+    if marker is not None and marker["identity"] == ident and fs.exists(data) and fs.size(data) == marker["bytes"]:
+        return marker
+    sketch = Sketch(index.meta.width, spec.ann_sketch_dim)
+    vectors, ids = [], []
+    step = index.grads.chunks[0]
+    for a in range(lo - lo % step, hi, step):
+        a, b = max(a, lo), min(a + step, hi)
+        keep = torch.from_numpy(index.rankable(a, b))
+        if keep.any():
+            rows = index.decode(index.stored(a, b), a, b)[keep]
+            vectors.append(sketch(compared_rows(scorer, rows.to(scorer.device)).cpu()))
+            ids.append(torch.arange(a, b)[keep].numpy())
+    lists = _lists(sum(len(i) for i in ids))
+    found = faiss.index_factory(sketch.out_dim, _factory(lists), faiss.METRIC_INNER_PRODUCT)
+    if vectors:
+        x, positions = np.concatenate(vectors), np.concatenate(ids).astype(np.int64)
+        found.train(x[:: max(1, len(x) // (TRAIN_PER_LIST * max(lists, 1)))])
+        found.add_with_ids(x, positions)
+    payload = faiss.serialize_index(found).tobytes()
+    fs.makedirs(where, exist_ok=True)
+    if fs.exists(marker_path):
+        fs.rm(marker_path)  # a stale marker never stands beside a new shard
+    fs.pipe_file(data, payload)
+    marker = {"identity": ident, "lo": lo, "hi": hi, "rows": int(found.ntotal), "bytes": len(payload)}
+    fs.pipe_file(marker_path, json.dumps(marker).encode())  # after the shard: it is finished
+    return marker
+
+
+def build_ann(scorer: Scorer) -> Dict[str, Any]:
+    """Build every shard of `scorer`'s ANN index that is not already finished, then write ann.json
+    (the manifest: identity and shards), last. Returns the manifest."""
+    fs, root = _filesystem(scorer.index)
+    where = folder(scorer)
+    # ann/ is marked as a zarr group (an empty one to zarr, which skips the files below it): the
+    # index's parts are zarr nodes, so `index.overwrite=true` removes it with the index it describes.
+    node = f"{root.rstrip('/')}/{FOLDER}/zarr.json"
+    if not fs.exists(node):
+        fs.makedirs(f"{root.rstrip('/')}/{FOLDER}", exist_ok=True)
+        fs.pipe_file(node, json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode())
+    if fs.exists(f"{where}/{MANIFEST}"):
+        fs.rm(f"{where}/{MANIFEST}")  # rebuilt: not finished until every shard is
+    shards = [build_shard(scorer, n) for n in range(len(shard_ranges(len(scorer.index), scorer.spec.ann_shard_rows)))]
+    manifest = {"identity": identity(scorer), "shards": shards}
+    fs.pipe_file(f"{where}/{MANIFEST}", json.dumps(manifest).encode())
+    return manifest
+
+
+class AnnIndex:
+    """The finished ANN index of one prepared scorer (one checkpoint), searched shard by shard.
+
+    `open_ann(scorer)` opens it, building it first when it is missing, half-written or stale.
+    """
+
+    def __init__(self, scorer: Scorer, manifest: Dict[str, Any]) -> None:
+        faiss = require_faiss()
+        self.scorer, self.manifest = scorer, manifest
+        self.sketch = Sketch(scorer.index.meta.width, scorer.spec.ann_sketch_dim)
+        fs, where = _filesystem(scorer.index)[0], folder(scorer)
+        self.shards = [
+            faiss.deserialize_index(np.frombuffer(fs.cat_file(f"{where}/shard-{n:05d}.faiss"), dtype=np.uint8))
+            for n in range(len(manifest["shards"]))
+        ]
+
+    def candidates(self, queries: torch.Tensor, count: int, nprobe: int) -> np.ndarray:
+        """int64 [Q, shards × count]: each shard's `count` best dataset positions per query [Q, D]
+        (prepared as the scorer prepares them), by approximate inner product; -1 where a shard has fewer."""
+        faiss = require_faiss()
+        x = self.sketch(queries.cpu())
+        found = []
+        for shard in self.shards:
+            if shard.ntotal == 0:
+                continue
+            params = faiss.SearchParametersIVF(nprobe=nprobe) if isinstance(shard, faiss.IndexIVF) else None
+            found.append(shard.search(x, min(count, shard.ntotal), params=params)[1])
+        return np.concatenate(found, axis=1) if found else np.full((len(x), 0), -1, dtype=np.int64)
+
+
+def open_ann(scorer: Scorer) -> AnnIndex:
+    """The ANN index of `scorer` (made with `shortcut=False`), built (or finished) first when its
+    folder holds no ann.json for the index's present state."""
+    fs, where = _filesystem(scorer.index)[0], folder(scorer)
+    manifest = _read_marker(fs, f"{where}/{MANIFEST}")
+    if manifest is None or manifest["identity"] != identity(scorer):
+        manifest = build_ann(scorer)
+    return AnnIndex(scorer, manifest)
+
+
+def _exact_scores(scorers: Sequence[Scorer], positions: np.ndarray) -> torch.Tensor:
+    # float32 [Q, U]: the scorers' weighted, summed scores of the rows at sorted `positions`, a few
+    # thousand rows at a time, read from the zarr rows: the exact scan's numbers for these rows.
+    parts = []
+    for lo in range(0, len(positions), MERGE_COLUMNS):
+        some = positions[lo : lo + MERGE_COLUMNS]
+        total = None
+        for scorer in scorers:
+            part = scorer.score(scorer.index.rows(some).to(scorer.device)).mul_(scorer.weight)
+            total = part if total is None else total.add_(part)
+        parts.append(total)
+    return torch.cat(parts, dim=1)
+
+
+def ann_topk(scorers: Sequence[Scorer]) -> tuple[Ranking, Optional[Ranking]]:
+    """`streaming_topk`'s answer by the two-stage search: (top, bottom or None) on the scorers' device.
+
+    `scorers` from `checkpoint_scorers(..., shortcut=False)`. Each checkpoint's ANN index (built on
+    first use) gives `ann_candidates` rows per shard per query, and the negated queries the same
+    for the bottom-k; every query's top-k (and bottom-k) are the best of all candidates by their
+    exact scores, the same numbers `streaming_topk` would give those rows.
+    """
+    first = scorers[0]
+    spec = first.spec
+    k, bottom_k = spec.rows_wanted(len(first.index)), spec.bottom_k
+    found = []
+    for scorer in scorers:
+        ann = open_ann(scorer)
+        for sign in (1, -1) if bottom_k else (1,):
+            found.append(ann.candidates(sign * scorer.queries, spec.ann_candidates, spec.ann_nprobe))
+    positions = np.unique(np.concatenate(found, axis=1))
+    positions = positions[positions >= 0]
+    if len(positions) == 0:  # no rankable row: empty rankings, as the exact scan gives
+        empty = Ranking(torch.empty(len(first.queries), 0, dtype=torch.long), torch.empty(len(first.queries), 0))
+        return empty, (empty if bottom_k else None)
+    scores = _exact_scores(scorers, positions)
+    at = torch.from_numpy(positions).to(first.device)
+
+    def best(count: int, largest: bool) -> Ranking:
+        top = scores.topk(min(count, scores.shape[1]), dim=1, largest=largest, sorted=True)
+        return Ranking(at[top.indices], top.values)
+
+    return best(k, True), (best(bottom_k, False) if bottom_k else None)

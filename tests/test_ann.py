@@ -1,0 +1,259 @@
+"""query.search=ann (query/ann.py): candidates from FAISS indexes of the rows as compared, re-scored
+exactly. Its recall against the exact scan, its scores against the exact scorer's, the refusal
+without the extra, and a build killed half-way is rebuilt, never searched."""
+
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import WORDS, tiny_settings, write_jsonl
+
+from gradian_lightning import open_index
+from gradian_lightning.config import load_config
+from gradian_lightning.errors import ConfigError, MissingExtraError
+from gradian_lightning.index.location import Location
+from gradian_lightning.index.writer import IndexWriter
+from gradian_lightning.query import ann
+from gradian_lightning.query.scorer import checkpoint_scorers
+from gradian_lightning.query.topk import streaming_topk
+from gradian_lightning.recipes.index import run_index
+from gradian_lightning.recipes.query import run_query
+from gradian_lightning.specs import QuerySpec
+
+# The `ann` extra; `dev` installs it, so CI runs these. The refusal without it runs either way.
+needs_faiss = pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="faiss-cpu (the ann extra)")
+
+N, MODULES, SIZE = 3000, 4, 64  # 4 modules of k² = 64: D = 256
+D = MODULES * SIZE
+
+
+def structured_rows(n: int, generator: torch.Generator) -> torch.Tensor:
+    """[n, D] rows with a low-rank part (as gradients have) plus noise, so that neighbours are real."""
+    basis = torch.randn(16, D, generator=torch.Generator().manual_seed(123))
+    return torch.randn(n, 16, generator=generator) @ basis + 0.5 * torch.randn(n, D, generator=generator)
+
+
+@pytest.fixture(scope="module")
+def index_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ann") / "ix"
+    blocks = [{"name": f"m{i}", "offset": i * SIZE, "size": SIZE} for i in range(MODULES)]
+    writer = IndexWriter(path, N, D, "int8", {"fingerprint": "ann-test", "modules": blocks})
+    rows = structured_rows(N, torch.Generator().manual_seed(0))
+    supervised = torch.ones(N)
+    supervised[7] = 0  # never ranked: must not come back from the ANN path either
+    for lo in range(0, N, 500):
+        hi = lo + 500
+        writer.write(
+            range(lo, hi), rows[lo:hi], torch.zeros(500), supervised[lo:hi], torch.zeros(500), list(range(lo, hi))
+        )
+    assert writer.close()
+    return path
+
+
+def queries():
+    return structured_rows(8, torch.Generator().manual_seed(1))
+
+
+def both(path, **settings):
+    """(exact top, ann top) for the same queries and settings."""
+    index = open_index(path)
+    spec = QuerySpec(**settings)
+    exact, _ = streaming_topk(checkpoint_scorers(index.reader, queries(), spec))
+    approximate, _ = ann.ann_topk(checkpoint_scorers(index.reader, queries(), spec, shortcut=False))
+    return exact, approximate
+
+
+def recall(exact, approximate) -> float:
+    hits = [len(set(e.tolist()) & set(a.tolist())) for e, a in zip(exact.indices, approximate.indices)]
+    return sum(hits) / exact.indices.numel()
+
+
+@needs_faiss
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # auto: fisher, whole-row cosine
+        {"precondition": "none"},  # per-module cosine
+        {"score": "inner", "precondition": "none"},
+        {"ann_sketch_dim": 128, "ann_shard_rows": 1000},  # rows sketched to half their width, 3 shards
+    ],
+)
+def test_recall_at_10_against_the_exact_scan(index_path, settings):
+    exact, approximate = both(index_path, search="ann", **settings)
+    assert recall(exact, approximate) >= 0.95
+    assert 7 not in approximate.indices
+
+
+@needs_faiss
+def test_rescored_scores_are_the_exact_scorers(index_path):
+    _, approximate = both(index_path, search="ann", ann_candidates=30)
+    every = open_index(index_path).score_all(queries())  # the exact scan's scores of every row, [Q, N]
+    torch.testing.assert_close(approximate.scores, every.gather(1, approximate.indices), rtol=1e-5, atol=1e-6)
+    # best first, by those scores
+    assert (approximate.scores[:, :-1] >= approximate.scores[:, 1:]).all()
+
+
+@needs_faiss
+def test_bottom_k_comes_from_the_negated_queries(index_path):
+    index = open_index(index_path)
+    spec = QuerySpec(search="ann", bottom_k=5, precondition="none")
+    _, exact = streaming_topk(checkpoint_scorers(index.reader, queries(), spec))
+    _, approximate = ann.ann_topk(checkpoint_scorers(index.reader, queries(), spec, shortcut=False))
+    assert recall(exact, approximate) >= 0.95
+    assert (approximate.scores < 0).all()
+
+
+@needs_faiss
+def test_the_build_is_kept_and_reused(index_path, monkeypatch):
+    both(index_path, search="ann", precondition="none")  # built (or already there)
+    monkeypatch.setattr(ann, "build_shard", lambda *a: pytest.fail("a finished ANN index was rebuilt"))
+    both(index_path, search="ann", precondition="none")
+
+
+@needs_faiss
+def test_a_killed_build_is_rebuilt_never_searched(tmp_path, index_path, monkeypatch):
+    import shutil
+
+    path = tmp_path / "ix"
+    shutil.copytree(index_path, path, ignore=shutil.ignore_patterns("ann"))
+    spec = QuerySpec(search="ann", ann_shard_rows=1000, precondition="none")
+    scorer = checkpoint_scorers(open_index(path).reader, queries(), spec, shortcut=False)[0]
+    real = ann.build_shard
+    built = []
+
+    def killed_after_one(scorer, number):
+        if number == 1:
+            raise KeyboardInterrupt  # the process dies while shard 1 is written
+        built.append(number)
+        return real(scorer, number)
+
+    monkeypatch.setattr(ann, "build_shard", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        ann.open_ann(scorer)
+    where = ann.folder(scorer)
+    assert not (tmp_path / where / ann.MANIFEST).exists()
+    # half a shard file, as a kill in the middle of its write leaves it: its marker is not there
+    (tmp_path / where / "shard-00001.faiss").write_bytes(b"half")
+    first = tmp_path / where / "shard-00000.faiss"
+    finished = first.stat().st_mtime_ns
+    monkeypatch.setattr(ann, "build_shard", real)
+    opened = ann.open_ann(scorer)
+    assert built == [0] and first.stat().st_mtime_ns == finished  # the finished shard 0 was kept
+    assert json.loads((tmp_path / where / ann.MANIFEST).read_text())["shards"][1]["rows"] == 1000
+    assert sum(s.ntotal for s in opened.shards) == N - 1  # every rankable row: all but row 7
+
+
+@needs_faiss
+def test_an_index_that_changed_is_rebuilt(tmp_path, index_path):
+    import shutil
+
+    path = tmp_path / "ix"
+    shutil.copytree(index_path, path, ignore=shutil.ignore_patterns("ann"))
+    spec = QuerySpec(search="ann", precondition="none")
+    scorer = checkpoint_scorers(open_index(path).reader, queries(), spec, shortcut=False)[0]
+    manifest = ann.open_ann(scorer).manifest
+    stale = {**manifest, "identity": {**manifest["identity"], "written": 5}}  # as if built on an unfinished index
+    (tmp_path / ann.folder(scorer) / ann.MANIFEST).write_text(json.dumps(stale))
+    for marker in (tmp_path / ann.folder(scorer)).glob("shard-*.json"):
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "identity": stale["identity"]}))
+    assert ann.open_ann(scorer).manifest["identity"] == manifest["identity"]
+
+
+def test_without_the_extra_the_refusal_is_one_line(index_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "faiss", None)  # what an environment without faiss-cpu imports
+    refusal = (
+        "setting 'query.search'='ann' needs faiss, which is not installed here; "
+        + 'pip install "gradian-lightning[ann]"'
+    )
+    with pytest.raises(MissingExtraError) as err:
+        both(index_path, search="ann")
+    assert str(err.value) == refusal
+    # gradian query refuses before any model loads: the model named here does not exist
+    cfg = load_config(None, ["model.name_or_path=no/such-model", f"index.path={index_path}", "query.search=ann"])
+    with pytest.raises(MissingExtraError) as err:
+        run_query(cfg, queries=[{"prompt": "a", "completion": " b"}])
+    assert str(err.value) == refusal
+
+
+def test_the_settings_are_checked():
+    with pytest.raises(ConfigError, match="query.search"):
+        QuerySpec(search="fast")
+    with pytest.raises(ConfigError, match="query.top_k=all"):
+        QuerySpec(search="ann", top_k="all")
+    with pytest.raises(ConfigError, match="query.ann_candidates"):
+        QuerySpec(ann_candidates=0)
+    assert not ann.uses_ann(QuerySpec(search="auto"), ann.AUTO_ANN_ROWS - 1)
+    assert ann.uses_ann(QuerySpec(search="auto"), ann.AUTO_ANN_ROWS)
+    assert not ann.uses_ann(QuerySpec(search="auto", top_k="all"), 10 * ann.AUTO_ANN_ROWS)
+    assert ann.uses_ann(QuerySpec(search="ann"), 1)
+
+
+def test_index_topk_is_the_exact_scan_and_says_so(index_path):
+    with pytest.raises(
+        ConfigError, match=r"Index.topk\(search='ann'\) is the exact scan; for the two-stage search call"
+    ):
+        open_index(index_path).topk(queries(), 10, search="ann")
+
+
+def test_sketch_keeps_inner_products_unbiased():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1, 4096, generator=g), torch.randn(1, 4096, generator=g)
+    b = 0.6 * a + 0.8 * b  # cosine about 0.6
+    a, b = a / a.norm(), b / b.norm()
+    estimates = [(ann.Sketch(4096, 256, seed)(a) @ ann.Sketch(4096, 256, seed)(b).T).item() for seed in range(200)]
+    exact = float(a @ b.T)
+    assert abs(np.mean(estimates) - exact) < 0.02  # standard error about 0.07 / √200
+    assert 0.03 < np.std(estimates) < 0.12  # about 1/√256
+
+
+ROWS = [{"id": f"r{i}", "prompt": f"what is {WORDS[i]} ?", "completion": f" {WORDS[i + 20]} ."} for i in range(20)]
+
+
+@needs_faiss
+def test_gradian_query_with_search_ann_answers_like_the_exact_scan(tmp_path, saved_model):
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    queries = write_jsonl(tmp_path / "q.jsonl", ROWS[3:5])
+    path = tmp_path / "ix"
+    run_index(tiny_settings(saved_model, train, path))
+    answers = {
+        search: run_query(
+            tiny_settings(
+                saved_model,
+                train,
+                path,
+                f"query.data={queries}",
+                "query.top_k=5",
+                "query.bottom_k=2",
+                f"query.search={search}",
+            )
+        )
+        for search in ("exact", "ann")
+    }
+    for exact, approximate in zip(answers["exact"]["results"], answers["ann"]["results"]):
+        for key in ("results", "opponents"):  # 20 rows: every row is a candidate, so the rankings agree
+            assert [r["id"] for r in exact[key]] == [r["id"] for r in approximate[key]]
+            np.testing.assert_allclose(
+                [r["score"] for r in exact[key]], [r["score"] for r in approximate[key]], rtol=1e-5, atol=1e-6
+            )
+        assert "ANN candidates" in approximate["scoring"] and "ANN" not in exact["scoring"]
+    assert (path / "ann").is_dir()
+    with pytest.raises(ConfigError, match="query.search'='ann' runs on the local engine"):
+        run_query(
+            tiny_settings(saved_model, train, path, f"query.data={queries}", "query.search=ann", "query.engine=dask")
+        )
+    Location(path).remove_index(holds_index=True)  # index.overwrite=true takes the ANN index with it
+    assert Location(path).entries() == []
+
+
+@needs_faiss
+def test_an_index_without_rankable_rows_ranks_nothing(tmp_path):
+    blocks = [{"name": "m0", "offset": 0, "size": D}]
+    writer = IndexWriter(tmp_path / "ix", 20, D, "float16", {"fingerprint": "empty", "modules": blocks})
+    writer.write(range(20), torch.randn(20, D), torch.zeros(20), torch.zeros(20), torch.zeros(20), list(range(20)))
+    writer.close()
+    spec = QuerySpec(search="ann", precondition="none", bottom_k=2)
+    top, bottom = ann.ann_topk(checkpoint_scorers(open_index(tmp_path / "ix").reader, queries(), spec, shortcut=False))
+    assert top.indices.shape == (8, 0) and bottom.scores.shape == (8, 0)
