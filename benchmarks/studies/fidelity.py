@@ -97,7 +97,7 @@ def main() -> None:
     for dim, (projected, projector) in projected_rows(model, tokenizer, queries + train, modules, dims).items():
         scores = {}
         for dtype in DTYPES:
-            stored = round_trip(projected, dtype, projector.describe())
+            stored = round_trip(projected, dtype, projector.blocks)
             scores[dtype] = cosine(stored[:nq], stored[nq:])
             per_query = np.mean([spearman(scores[dtype][i], exact_qt[i]) for i in range(nq)])
             by_module = module_cosine(stored[:nq], stored[nq:], projector)
