@@ -77,7 +77,8 @@ def test_cli_on_two_ddp_ranks_writes_the_one_process_index(tmp_path, saved_model
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "distributed_backend=gloo" in done.stderr + done.stdout and "MEMBER: 2/2" in done.stderr + done.stdout
+    # Two processes ran: each loaded the model (Lightning's own rank lines are hidden by the CLI now).
+    assert done.stderr.count("Loading weights: 100%") == 2, done.stderr[-3000:]
     reports = [line for line in done.stdout.splitlines() if line.startswith("gradian index:")]
     # Rank 0 alone reports: the plan line before the first batch, the summary after the last.
     assert [line for line in reports if "rows written to" in line] == [
