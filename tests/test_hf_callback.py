@@ -381,7 +381,9 @@ def test_two_ranks_share_the_batches_and_write_the_one_process_rows(tmp_path, to
     )
     errors = tmp_path / "errors"
     errors.mkdir()
-    context = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork of a process that ran other tests inherits their threads (zarr's event
+    # loop, BLAS pools) mid-lock and hung in the whole suite
+    context = multiprocessing.get_context("spawn")
     ranks = [
         context.Process(target=_ddp_rank, args=(r, 2, store.port, tmp_path, tokenizer, dataset, errors)) for r in (0, 1)
     ]
