@@ -189,10 +189,11 @@ import zarr
 from gradian_lightning.index.layout import ATTRIBUTE
 from gradian_lightning.index.writer import IndexWriter
 meta = dict(zarr.open_group(sys.argv[1], mode="r").attrs[ATTRIBUTE])
-writer = IndexWriter(sys.argv[1], meta["num_rows"], meta["width"], meta["spec"]["storage_dtype"], meta)
+width = sum(int(b["size"]) for b in meta["modules"])  # format 2 stores the width as the blocks' sum only
+writer = IndexWriter(sys.argv[1], meta["num_rows"], width, meta["spec"]["storage_dtype"], meta)
 start = time.perf_counter()
 assert writer.close()
-print(json.dumps({"close_s": time.perf_counter() - start, "width": meta["width"], "storage_dtype": meta["spec"]["storage_dtype"]}))
+print(json.dumps({"close_s": time.perf_counter() - start, "width": width, "storage_dtype": meta["spec"]["storage_dtype"]}))
 """
 
 
