@@ -11,12 +11,13 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import lightning as L
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from gradian_lightning.config import is_given, require
 from gradian_lightning.data import Fields
@@ -28,7 +29,7 @@ from gradian_lightning.query.ann import ann_topk, require_faiss, uses_ann
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
 from gradian_lightning.query.rows import check_matches_index, query_gradients
 from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
-from gradian_lightning.query.token_scores import query_token_scores, summed_over_checkpoints
+from gradian_lightning.query.token_scores import for_query, row_token_terms, summed_over_checkpoints
 from gradian_lightning.query.topk import Index, Ranking, score_all, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
 from gradian_lightning.specs import IndexSpec, QuerySpec, field_names
@@ -106,6 +107,10 @@ def written_rows(index: IndexReader) -> int:
     return len(index) if index.meta.complete else int(index.column("complete").sum())
 
 
+# (query number, shown rows, their positions) -> each row's {"tokens", "terms", ...}: `token_explainer`.
+Explain = Callable[[int, List[Dict[str, Any]], List[int]], List[Dict[str, Any]]]
+
+
 @dataclass
 class QueryRows:
     """The query rows of `gradian query`, made once per scored checkpoint with its saved model.
@@ -126,24 +131,39 @@ class QueryRows:
         return checkpoint_scorers(self.index, self.rows, spec, self.device, shortcut)
 
 
-def add_token_terms(
-    shown: List[Dict[str, Any]], q_index: int, train_rows: List[Dict[str, Any]], made: QueryRows, scorers: List[Scorer]
-) -> None:
-    """Give each result in `shown` ({"index": training row position, ...}) of query `q_index` its
-    "tokens" and "terms": every supervised token's share of its score (None for the rest), summed
-    over the `scorers` (one per checkpoint, `shortcut=False`) with their weights, so that the terms
-    add up to the score (from the unrounded rows; query/token_scores.py). `made` must have kept its models."""
-    if not shown:
-        return
-    wanted = [train_rows[r["index"]] for r in shown]
-    total = summed_over_checkpoints(
-        [
-            (scorer.weight, query_token_scores(scorer, *made.models[scorer.index.step], wanted, q_index))
-            for scorer in scorers
-        ]
+def token_explainer(
+    results: Sequence[Dict[str, Any]],
+    token_rows: int,
+    train_rows: Sequence[Dict[str, Any]],
+    made: QueryRows,
+    scorers: List[Scorer],
+    label: str = "gradian report: token terms",
+) -> Explain:
+    """The `explain` of `report_data` for the page's shaded rows: the first `token_rows` top rows
+    and opponents of each query in `results`. Each distinct row is explained once per checkpoint
+    for every query at once (one forward/backward: query/token_scores.py), under a progress bar
+    with an ETA, before the page is built; `explain(q, rows, positions)` then reads query q's terms,
+    summed over the `scorers` (one per checkpoint, `shortcut=False`) with their weights, as
+    `gradian query` sums scores. `made` must have kept its models."""
+    wanted = sorted(
+        {
+            int(e["index"])
+            for entry in results
+            for e in list(entry.get("results", []))[:token_rows] + list(entry.get("opponents", []))[:token_rows]
+        }
     )
-    for result, e in zip(shown, total):
-        result["tokens"], result["terms"] = e["tokens"], e["terms"]
+    rows = [train_rows[i] for i in wanted]
+    by_checkpoint = []
+    with tqdm(total=len(wanted) * len(scorers), desc=label, unit="row") as bar:
+        for scorer in scorers:
+            model, tokenizer = made.models[scorer.index.step]
+            terms = row_token_terms(scorer, model, tokenizer, rows, done=bar.update)
+            by_checkpoint.append((scorer.weight, dict(zip(wanted, terms))))
+
+    def explain(q: int, shown: List[Dict[str, Any]], positions: List[int]) -> List[Dict[str, Any]]:
+        return summed_over_checkpoints([(w, for_query([terms[p] for p in positions], q)) for w, terms in by_checkpoint])
+
+    return explain
 
 
 def open_for_query(cfg: Any) -> Tuple[Index, IndexSpec, List[str]]:
@@ -294,10 +314,15 @@ def _answer(
             raise ConfigError(
                 f"setting 'query.token_scores'=true needs the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data or set query.token_scores=false"
             )
-        explaining = made.scorers(q, shortcut=False)
+        shown = max(len(entry.get(key, [])) for entry in results for key in ("results", "opponents"))
+        explain = token_explainer(
+            results, shown, train_rows, made, made.scorers(q, shortcut=False), "gradian query: token terms"
+        )
         for q_index, entry in enumerate(results):
             for key in ("results", "opponents"):
-                add_token_terms(entry.get(key, []), q_index, train_rows, made, explaining)
+                rows = entry.get(key, [])
+                for result, e in zip(rows, explain(q_index, rows, [r["index"] for r in rows])):
+                    result["tokens"], result["terms"] = e["tokens"], e["terms"]
     if train_rows is None:
         warnings.warn(f"row texts are not shown: {why}; the ranking is of the indexed rows", stacklevel=3)
     if cfg.query.output:

@@ -14,31 +14,27 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from gradian_lightning.config import require
 from gradian_lightning.data import Fields, row_snippet
 from gradian_lightning.data_sources import indexed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.index.reader import IndexReader
-from gradian_lightning.query.scorer import Scorer
-from gradian_lightning.query.token_scores import for_query, row_token_terms, summed_over_checkpoints
 from gradian_lightning.query.topk import score_all
 from gradian_lightning.recipes.query import (
-    QueryRows,
+    Explain,
     check_writable,
     describe_scoring,
     make_query_rows,
     open_for_query,
     read_queries,
+    token_explainer,
 )
 from gradian_lightning.report.html import render
 from gradian_lightning.specs import QuerySpec
-
-Explain = Callable[[int, List[Dict[str, Any]], List[int]], List[Dict[str, Any]]]
 
 
 def _shown(
@@ -117,40 +113,6 @@ def report_data(
         "checkpoint_steps": sorted(by_checkpoint),
         "queries": pages,
     }
-
-
-def token_explainer(
-    results: Sequence[Dict[str, Any]],
-    token_rows: int,
-    train_rows: Sequence[Dict[str, Any]],
-    made: QueryRows,
-    scorers: List[Scorer],
-) -> Explain:
-    """The `explain` of `report_data` for the page's shaded rows: the first `token_rows` top rows
-    and opponents of each query in `results`. Each distinct row is explained once per checkpoint
-    for every query at once (one forward/backward: query/token_scores.py), under a progress bar
-    with an ETA, before the page is built; `explain(q, rows, positions)` then reads query q's terms,
-    summed over the `scorers` (one per checkpoint, `shortcut=False`) with their weights, as
-    `gradian query` sums scores. `made` must have kept its models."""
-    wanted = sorted(
-        {
-            int(e["index"])
-            for entry in results
-            for e in list(entry.get("results", []))[:token_rows] + list(entry.get("opponents", []))[:token_rows]
-        }
-    )
-    rows = [train_rows[i] for i in wanted]
-    by_checkpoint = []
-    with tqdm(total=len(wanted) * len(scorers), desc="gradian report: token terms", unit="row") as bar:
-        for scorer in scorers:
-            model, tokenizer = made.models[scorer.index.step]
-            terms = row_token_terms(scorer, model, tokenizer, rows, done=bar.update)
-            by_checkpoint.append((scorer.weight, dict(zip(wanted, terms))))
-
-    def explain(q: int, shown: List[Dict[str, Any]], positions: List[int]) -> List[Dict[str, Any]]:
-        return summed_over_checkpoints([(w, for_query([terms[p] for p in positions], q)) for w, terms in by_checkpoint])
-
-    return explain
 
 
 def page_title(model: Optional[str], index_path: str) -> str:
