@@ -104,6 +104,9 @@ def test_arguments_without_a_meaning_are_refused(tokenizer):
         ExactPass(model, SPEC, query_batch(tokenizer), factors, cosine=True)
     with pytest.raises(GradianError, match=r"ExactPass\(order='rows'\) is not a contraction order"):
         ExactPass(model, SPEC, query_batch(tokenizer), order="rows")
+    for factors_given, horizon in ((None, 1.0), (factors, -1.0)):
+        with pytest.raises(GradianError, match="unrolls over a training time >= 0"):
+            ExactPass(model, SPEC, query_batch(tokenizer), factors_given, horizon=horizon)
     fit = FactorFit(model, SPEC, dtype=torch.float64)
     other = FactorFit(model, IndexSpec(module_filter=["down_proj"], projection_dim=None), dtype=torch.float64)
     with pytest.raises(GradianError, match="cannot be added"):
@@ -128,3 +131,50 @@ def test_a_head_run_on_the_supervised_positions_only_is_scored_exactly(tokenizer
     exact = ExactPass(model, spec, query_batch(tokenizer), factors, damping=0.1, dtype=torch.float64)
     scores = exact.score_all(batches(tokenizer), len(ROWS))
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def dense_unrolled(model, tokenizer, factors, horizon, ekfac):
+    """Σ_modules g_qᵀ f(H) g_n with f(w) = Ē (1 − e^(−h w / Ē)) / w by a dense eigendecomposition of
+    each module's H, Ē the mean eigenvalue over every module's H together."""
+    modules = select_modules(model, SPEC.module_filter)
+    queries = per_example_gradients(model, query_batch(tokenizer), modules)
+    train = [per_example_gradients(model, b, modules) for b in batches(tokenizer)]
+    decomposed = {name: torch.linalg.eigh(dense_curvature(factors, name, ekfac)[0]) for name in modules}
+    mean = torch.cat([w for w, _ in decomposed.values()]).mean()
+    total = 0
+    for name in modules:
+        w, v = decomposed[name]
+        w = w.clamp_min(0)
+        f = torch.where(w > 0, mean * -torch.expm1(-horizon * w / mean) / w.clamp_min(1e-300), horizon)
+        gq, gn = queries[name].flatten(1), torch.cat([t[name] for t in train]).flatten(1)
+        total = total + (gq @ v * f) @ (gn @ v).T
+    return total
+
+
+@pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
+def test_unrolled_scores_equal_the_dense_matrix_function(tokenizer, ekfac):
+    model = tiny(tokenizer)
+    factors = fit_factors(model, SPEC, batches(tokenizer), ekfac=ekfac, dtype=torch.float64)
+    for horizon in (0.3, 30.0):
+        expected = dense_unrolled(model, tokenizer, factors, horizon, ekfac)
+        exact = ExactPass(model, SPEC, query_batch(tokenizer), factors, horizon=horizon, dtype=torch.float64)
+        scores = exact.score_all(batches(tokenizer), len(ROWS))
+        torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
+def test_unrolling_spans_the_inner_product_and_the_influence_function(tokenizer):
+    """A short horizon h gives h × the inner product (TracIn); a long one Ē × the undamped influence."""
+    model = tiny(tokenizer)
+    factors = fit_factors(model, SPEC, batches(tokenizer), ekfac=True, dtype=torch.float64)
+
+    def scores(**kwargs):
+        exact = ExactPass(model, SPEC, query_batch(tokenizer), dtype=torch.float64, **kwargs)
+        return exact.score_all(batches(tokenizer), len(ROWS))
+
+    inner = scores()
+    torch.testing.assert_close(
+        scores(factors=factors, horizon=1e-9) / 1e-9, inner, rtol=1e-6, atol=1e-6 * inner.abs().max().item()
+    )
+    influence = scores(factors=factors, damping=0.0) * factors.mean_eigenvalue()
+    long = scores(factors=factors, horizon=1e4)
+    assert torch.corrcoef(torch.stack([long.flatten(), influence.flatten()]))[0, 1] > 0.99

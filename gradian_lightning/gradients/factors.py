@@ -229,18 +229,38 @@ class Factors:
         factors.kind = kind
         return factors
 
-    def precondition(self, name: str, g: torch.Tensor, damping: float) -> torch.Tensor:
-        """(H + λ I)⁻¹ g for gradients g [Q, out, in] of module `name`, in full space:
-        Q_G ((Q_Gᵀ g Q_A) / (E + λ)) Q_Aᵀ with E the eigenvalues [out, in] and
-        λ = damping × mean(E) (a fraction of the module's mean eigenvalue, so it is free of the
-        loss's and the inputs' units). A direction whose damped eigenvalue is zero (damping 0 on a
-        dead direction) gets zero, the pseudo-inverse's value."""
+    def mean_eigenvalue(self) -> float:
+        """Ē, the mean eigenvalue over every module's [out, in] eigenvalues together: the curvature
+        scale that `precondition`'s horizon is measured in."""
+        total = sum(float(e.sum()) for e in self.eigenvalues.values())
+        return total / max(sum(e.numel() for e in self.eigenvalues.values()), 1)
+
+    def precondition(self, name: str, g: torch.Tensor, damping: float, horizon: Optional[float] = None) -> torch.Tensor:
+        """f(H) g for gradients g [Q, out, in] of module `name`, in full space:
+        Q_G ((Q_Gᵀ g Q_A) ⊙ f(E)) Q_Aᵀ with E the eigenvalues [out, in].
+
+        horizon None, the influence function: f(E) = 1 / (E + λ), λ = damping × mean(E) (a
+        fraction of the module's mean eigenvalue, so it is free of the loss's and the inputs'
+        units). A direction whose damped eigenvalue is zero (damping 0 on a dead direction) gets
+        zero, the pseudo-inverse's value.
+
+        horizon h >= 0, approximate unrolling (SOURCE, Bae et al. 2024): f(E) = Ē (1 − e^(−h E/Ē)) / E,
+        what gradient descent for a time t with h = t Ē does to a loss of curvature E (its limit h
+        at E = 0), scaled by Ē so that it is a pure number: h × the identity (TracIn's gradient
+        product) where h E/Ē is small, Ē / E (the influence function) where it is large. Ē is
+        `mean_eigenvalue()`, over every module, so a short horizon weighs modules as the inner
+        product does. `damping` is not used: f is bounded by h."""
         q_a, _, q_g, _ = self.bases[name]
         e = self.eigenvalues[name]
-        damped = e + damping * e.mean()
-        inverse = torch.where(damped > 0, 1 / damped.clamp_min(torch.finfo(e.dtype).tiny), torch.zeros_like(e))
+        if horizon is None:
+            damped = e + damping * e.mean()
+            weight = torch.where(damped > 0, 1 / damped.clamp_min(torch.finfo(e.dtype).tiny), torch.zeros_like(e))
+        else:
+            scaled = e / self.mean_eigenvalue()
+            saturated = -torch.expm1(-horizon * scaled) / scaled.clamp_min(torch.finfo(e.dtype).tiny)
+            weight = torch.where(scaled > 0, saturated, torch.full_like(e, horizon))
         g = g.to(q_a.dtype)
-        return q_g @ ((q_g.T @ g @ q_a) * inverse) @ q_a.T
+        return q_g @ ((q_g.T @ g @ q_a) * weight) @ q_a.T
 
     def nbytes(self) -> int:
         """Bytes held: per module Q_A, Q_G, λ_A, λ_G and the eigenvalues [out, in]."""

@@ -5,7 +5,8 @@ Per selected module (weight [out, in], gradients in that orientation; gradients/
 
     query:     g_q = Σ_t δ_t x_tᵀ [out, in], each query's exact gradient (`query_gradients_full`)
     direction: M_q = g_q (inner product, cosine), or (H + λ I)⁻¹ g_q in full space with K-FAC or
-               EK-FAC factors (`Factors.precondition`, λ = damping × the module's mean eigenvalue)
+               EK-FAC factors (`Factors.precondition`, λ = damping × the module's mean eigenvalue),
+               or f(H) g_q with approximate unrolling's f over a horizon h (`Factors.precondition`)
     score:     s[q, n] = Σ_modules ⟨M_q, G_n⟩ = Σ_modules Σ_t δ_tᵀ M_q x_t over row n's tokens
 
 Units: the inner product is in nats² per squared weight unit, as the index's exact rows; an
@@ -96,7 +97,9 @@ class ExactPass:
         factors: K-FAC or EK-FAC `Factors` to precondition the queries with; None for the plain
             inner product.
         damping: λ as a fraction of each module's mean eigenvalue (0.1: the issue's best, flat
-            from 0.001 to 0.1); ignored without factors.
+            from 0.001 to 0.1); ignored without factors or with a horizon.
+        horizon: None for the influence function (H + λ I)⁻¹; h >= 0 for approximate unrolling
+            over a training time h in units of 1 / Ē (`Factors.precondition`); needs factors.
         cosine: whole-row cosine (only without factors): inner product / (‖g_q‖ ‖G_n‖).
         order: "examples" or "tokens", the contraction (module docstring); the same scores.
         dtype: the arithmetic's (float32; float64 in tests).
@@ -117,6 +120,7 @@ class ExactPass:
         order: str = "examples",
         modules: Optional[Dict[str, nn.Module]] = None,
         dtype: torch.dtype = torch.float32,
+        horizon: Optional[float] = None,
     ) -> None:
         if order not in ORDERS:
             raise GradianError(
@@ -126,12 +130,16 @@ class ExactPass:
             raise GradianError(
                 "ExactPass(cosine=True) is the unpreconditioned whole-row cosine and cannot take factors; pass factors=None or cosine=False"
             )
+        if horizon is not None and (factors is None or horizon < 0):
+            raise GradianError(
+                f"ExactPass(horizon={horizon!r}) unrolls over a training time >= 0 along the factors' eigenbases; pass factors with a horizon >= 0, or horizon=None"
+            )
         self.tokens = TokenPass(model, spec, modules, dtype)
         self.cosine, self.order = cosine, order
         grads = query_gradients_full(self.tokens, queries)
         self.query_norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
         if factors is not None:
-            grads = {name: factors.precondition(name, g, damping) for name, g in grads.items()}
+            grads = {name: factors.precondition(name, g, damping, horizon) for name, g in grads.items()}
         self.directions = grads  # name -> M_q [Q, out, in]
 
     def nbytes_per_query(self) -> int:
