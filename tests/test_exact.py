@@ -100,8 +100,6 @@ def test_exact_pass_leaves_grad_modes_and_rng_alone(tokenizer):
 def test_arguments_without_a_meaning_are_refused(tokenizer):
     model = tiny(tokenizer)
     factors = fit_factors(model, SPEC, batches(tokenizer)[:1], ekfac=False, dtype=torch.float64)
-    with pytest.raises(GradianError, match="cannot take factors; pass factors=None"):
-        ExactPass(model, SPEC, query_batch(tokenizer), factors, cosine=True)
     with pytest.raises(GradianError, match=r"ExactPass\(order='rows'\) is not a contraction order"):
         ExactPass(model, SPEC, query_batch(tokenizer), order="rows")
     for factors_given, horizon in ((None, 1.0), (factors, -1.0)):
@@ -178,3 +176,34 @@ def test_unrolling_spans_the_inner_product_and_the_influence_function(tokenizer)
     influence = scores(factors=factors, damping=0.0) * factors.mean_eigenvalue()
     long = scores(factors=factors, horizon=1e4)
     assert torch.corrcoef(torch.stack([long.flatten(), influence.flatten()]))[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("horizon", [None, 3.0], ids=["influence", "unrolled"])
+def test_cosine_with_factors_is_the_cosine_in_the_preconditioners_metric(tokenizer, horizon):
+    """⟨g_q, f(H) g_n⟩ / sqrt(⟨g_q, f(H) g_q⟩ ⟨g_n, f(H) g_n⟩), f(H) a dense matrix function of H."""
+    model = tiny(tokenizer)
+    factors = fit_factors(model, SPEC, batches(tokenizer), ekfac=True, dtype=torch.float64)
+    modules = select_modules(model, SPEC.module_filter)
+    queries = per_example_gradients(model, query_batch(tokenizer), modules)
+    train = [per_example_gradients(model, b, modules) for b in batches(tokenizer)]
+    decomposed = {name: torch.linalg.eigh(dense_curvature(factors, name, True)[0]) for name in modules}
+    mean = torch.cat([w for w, _ in decomposed.values()]).mean()
+    inner, q_norm, n_norm = 0, 0, 0
+    for name in modules:
+        w, v = decomposed[name]
+        if horizon is None:
+            f = 1 / (w + 0.1 * w.mean())
+        else:
+            w = w.clamp_min(0)
+            f = torch.where(w > 0, mean * -torch.expm1(-horizon * w / mean) / w.clamp_min(1e-300), horizon)
+        gq = queries[name].flatten(1) @ v
+        gn = torch.cat([t[name] for t in train]).flatten(1) @ v
+        inner = inner + (gq * f) @ gn.T
+        q_norm, n_norm = q_norm + (gq.square() * f).sum(1), n_norm + (gn.square() * f).sum(1)
+    expected = inner / (q_norm[:, None] * n_norm[None, :]).sqrt()
+    exact = ExactPass(
+        model, SPEC, query_batch(tokenizer), factors, 0.1, cosine=True, horizon=horizon, dtype=torch.float64
+    )
+    scores = exact.score_all(batches(tokenizer), len(ROWS))
+    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-9)
+    assert scores.abs().max() <= 1 + 1e-9

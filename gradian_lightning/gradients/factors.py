@@ -232,12 +232,20 @@ class Factors:
     def mean_eigenvalue(self) -> float:
         """Ē, the mean eigenvalue over every module's [out, in] eigenvalues together: the curvature
         scale that `precondition`'s horizon is measured in."""
-        total = sum(float(e.sum()) for e in self.eigenvalues.values())
-        return total / max(sum(e.numel() for e in self.eigenvalues.values()), 1)
+        if "_mean_eigenvalue" not in self.__dict__:  # once: every module's weights need it
+            total = sum(float(e.sum()) for e in self.eigenvalues.values())
+            self._mean_eigenvalue = total / max(sum(e.numel() for e in self.eigenvalues.values()), 1)
+        return self._mean_eigenvalue
 
     def precondition(self, name: str, g: torch.Tensor, damping: float, horizon: Optional[float] = None) -> torch.Tensor:
         """f(H) g for gradients g [Q, out, in] of module `name`, in full space:
-        Q_G ((Q_Gᵀ g Q_A) ⊙ f(E)) Q_Aᵀ with E the eigenvalues [out, in].
+        Q_G ((Q_Gᵀ g Q_A) ⊙ f(E)) Q_Aᵀ, f(E) the `weights` [out, in]."""
+        q_a, _, q_g, _ = self.bases[name]
+        g = g.to(q_a.dtype)
+        return q_g @ ((q_g.T @ g @ q_a) * self.weights(name, damping, horizon)) @ q_a.T
+
+    def weights(self, name: str, damping: float, horizon: Optional[float] = None) -> torch.Tensor:
+        """f(E) [out, in] of module `name`, E its eigenvalues in the eigenbases (Q_G, Q_A).
 
         horizon None, the influence function: f(E) = 1 / (E + λ), λ = damping × mean(E) (a
         fraction of the module's mean eigenvalue, so it is free of the loss's and the inputs'
@@ -250,17 +258,15 @@ class Factors:
         product) where h E/Ē is small, Ē / E (the influence function) where it is large. Ē is
         `mean_eigenvalue()`, over every module, so a short horizon weighs modules as the inner
         product does. `damping` is not used: f is bounded by h."""
-        q_a, _, q_g, _ = self.bases[name]
         e = self.eigenvalues[name]
+        tiny = torch.finfo(e.dtype).tiny
         if horizon is None:
             damped = e + damping * e.mean()
-            weight = torch.where(damped > 0, 1 / damped.clamp_min(torch.finfo(e.dtype).tiny), torch.zeros_like(e))
-        else:
-            scaled = e / self.mean_eigenvalue()
-            saturated = -torch.expm1(-horizon * scaled) / scaled.clamp_min(torch.finfo(e.dtype).tiny)
-            weight = torch.where(scaled > 0, saturated, torch.full_like(e, horizon))
-        g = g.to(q_a.dtype)
-        return q_g @ ((q_g.T @ g @ q_a) * weight) @ q_a.T
+            return torch.where(damped > 0, 1 / damped.clamp_min(tiny), torch.zeros_like(e))
+        scaled = e / self.mean_eigenvalue()
+        return torch.where(
+            scaled > 0, -torch.expm1(-horizon * scaled) / scaled.clamp_min(tiny), torch.full_like(e, horizon)
+        )
 
     def nbytes(self) -> int:
         """Bytes held: per module Q_A, Q_G, λ_A, λ_G and the eigenvalues [out, in]."""

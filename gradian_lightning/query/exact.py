@@ -11,8 +11,9 @@ Per selected module (weight [out, in], gradients in that orientation; gradients/
 
 Units: the inner product is in nats² per squared weight unit, as the index's exact rows; an
 influence score g_qᵀ (H + λ I)⁻¹ g_n has H in those units too (a second moment of gradients, per
-example), so it is a pure number; `cosine` is the inner product over ‖g_q‖ ‖G_n‖, both norms over
-all modules together (whole-row cosine), also a pure number.
+example), so it is a pure number; `cosine` is the score over ‖g_q‖ ‖G_n‖, both norms over all
+modules together (whole-row cosine) and, with factors, in the preconditioner's metric
+‖g‖²_f = ⟨g, f(H) g⟩ (the cosine of f(H)^½ g_q and f(H)^½ G_n), also a pure number.
 ‖G_n‖² = Σ_modules Σ_t Σ_s (δ_t·δ_s)(x_t·x_s) is computed in the same factored form.
 
 Two contraction orders give the same scores (`order`):
@@ -100,7 +101,8 @@ class ExactPass:
             from 0.001 to 0.1); ignored without factors or with a horizon.
         horizon: None for the influence function (H + λ I)⁻¹; h >= 0 for approximate unrolling
             over a training time h in units of 1 / Ē (`Factors.precondition`); needs factors.
-        cosine: whole-row cosine (only without factors): inner product / (‖g_q‖ ‖G_n‖).
+        cosine: whole-row cosine: ⟨M_q, G_n⟩ / (‖g_q‖ ‖G_n‖), the norms in the preconditioner's
+            metric ‖g‖²_f = ⟨g, f(H) g⟩ where factors are given (a whitened cosine), plain otherwise.
         order: "examples" or "tokens", the contraction (module docstring); the same scores.
         dtype: the arithmetic's (float32; float64 in tests).
 
@@ -126,10 +128,6 @@ class ExactPass:
             raise GradianError(
                 f"ExactPass(order={order!r}) is not a contraction order; use order='examples' or order='tokens'"
             )
-        if cosine and factors is not None:
-            raise GradianError(
-                "ExactPass(cosine=True) is the unpreconditioned whole-row cosine and cannot take factors; pass factors=None or cosine=False"
-            )
         if horizon is not None and (factors is None or horizon < 0):
             raise GradianError(
                 f"ExactPass(horizon={horizon!r}) unrolls over a training time >= 0 along the factors' eigenbases; pass factors with a horizon >= 0, or horizon=None"
@@ -137,9 +135,15 @@ class ExactPass:
         self.tokens = TokenPass(model, spec, modules, dtype)
         self.cosine, self.order = cosine, order
         grads = query_gradients_full(self.tokens, queries)
-        self.query_norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+        self.factors, self.damping, self.horizon = factors, damping, horizon
         if factors is not None:
-            grads = {name: factors.precondition(name, g, damping, horizon) for name, g in grads.items()}
+            preconditioned = {name: factors.precondition(name, g, damping, horizon) for name, g in grads.items()}
+            # ‖g_q‖²_f = ⟨g_q, f(H) g_q⟩: the query's norm in the preconditioner's metric
+            squared = [(g.to(m) * m).flatten(1).sum(1) for g, m in zip(grads.values(), preconditioned.values())]
+            grads = preconditioned
+        else:
+            squared = [g.flatten(1).square().sum(1) for g in grads.values()]
+        self.query_norms = torch.stack(squared).sum(0).clamp_min(0).sqrt()
         self.directions = grads  # name -> M_q [Q, out, in]
 
     def nbytes_per_query(self) -> int:
@@ -153,7 +157,9 @@ class ExactPass:
 
         def step(name: str, x: torch.Tensor, g: torch.Tensor) -> None:
             parts.append(contract(self.directions[name].to(x), x, g))
-            if self.cosine:
+            if self.cosine and self.factors is not None:
+                norms.append(self._metric_squared_norms(name, x, g))
+            elif self.cosine:
                 norms.append(_squared_norms(x, g))
 
         self.tokens.run(batch, step)
@@ -162,6 +168,18 @@ class ExactPass:
             row_norms = torch.stack(norms).sum(0).sqrt()
             scores = scores / (self.query_norms[:, None].to(scores) * row_norms[None, :]).clamp_min(1e-30)
         return scores
+
+    def _metric_squared_norms(self, name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """‖G_b‖²_f [B] = Σ_oi f(E) ⊙ (Q_Gᵀ G_b Q_A)², each row's gradient made in the eigenbases
+        a few rows at a time ([c, out, in] within `CHUNK_ELEMENTS`)."""
+        q_a, _, q_g, _ = self.factors.bases[name]
+        weights = self.factors.weights(name, self.damping, self.horizon).to(x)
+        x, g = x @ q_a.to(x), g @ q_g.to(g)
+        out = x.new_empty(x.shape[0])
+        for lo, hi in example_chunks(x.shape[0], g.shape[-1] * x.shape[-1]):
+            rotated = torch.bmm(g[lo:hi].transpose(1, 2), x[lo:hi])
+            out[lo:hi] = (rotated.square_() * weights).sum(dim=(1, 2))
+        return out
 
     def score_all(self, batches: Iterable[Dict[str, torch.Tensor]], rows: int) -> torch.Tensor:
         """Scores [Q, rows] of every training row: one pass over `batches`."""
