@@ -116,6 +116,10 @@ def test_dense_scores_and_gradian_query_equal_a_direct_exact_pass(tmp_path, save
         assert [r["index"] for r in entry["opponents"]] == order[::-1][:2].tolist()
         assert [r["id"] for r in entry["results"]] == [str(ROWS[i].get("id", i)) for i in order[:3]]
         _close(np.array([r["score"] for r in entry["results"]]), expected[q, order[:3]])
+    # gradian report of those results: the page names the exact pass and holds every row's score.
+    assert main(["report", *indexed, "query.method=exact", "query.top_k=3", f"query.output={out}"]) == 0
+    page = out.with_suffix(".html").read_text()
+    assert scoring in page and "Tokens are not shaded" in page
 
 
 def test_rows_the_index_never_ranks_are_nan_and_left_out_of_the_fit(tmp_path, saved_model, indexed):
