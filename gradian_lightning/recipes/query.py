@@ -292,12 +292,15 @@ def exact_dense_scores(
         rows = TokenizedRows(train_rows, tokenizer, max_seq_length, source="data.train")
         batches = TrainBatches(rows, positions, int(cfg.grads.batch_size), pad, fabric.device)
         examples = tokenized_queries(reader, queries, tokenizer, max_seq_length, str(cfg.query.data)).examples
-        with fabric.autocast():
-            factors = None
-            if estimator.factors is not None:
-                key = factor_set_key(reader, estimator.factors, positions, max_seq_length, precision)
-                factors = _factors(index, model, run_spec, modules, batches, step, estimator.factors, key, fabric)
-            part = exact_scores(model, run_spec, modules, examples, pad, batches, len(index), estimator, factors)
+        # No autocast, unlike make_query_rows: the factor sums, their eigenbases, the preconditioning
+        # and the contractions run outside the hooks that keep the index path's projection in
+        # float32, and in bf16 they would lose the small eigenvalues the inverse weighs most. The
+        # forward runs in the weights' own dtype (a *-true precision's, cast by setup_module).
+        factors = None
+        if estimator.factors is not None:
+            key = factor_set_key(reader, estimator.factors, positions, max_seq_length, precision)
+            factors = _factors(index, model, run_spec, modules, batches, step, estimator.factors, key, fabric)
+        part = exact_scores(model, run_spec, modules, examples, pad, batches, len(index), estimator, factors)
         part = part.numpy() * np.float32(weights[step])
         by_checkpoint[step] = part
         total = part.copy() if total is None else total + part
