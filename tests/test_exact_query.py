@@ -262,3 +262,43 @@ def test_changed_training_data_and_stored_rows_only_callers_are_refused(tmp_path
     message = str(err.value)
     assert "\n" not in message and "data.train" in message and "changed after it was indexed" in message
     assert "query.method=index" in message
+
+
+def test_queries_past_the_memory_budget_are_scored_in_several_passes(tmp_path, saved_model, indexed, monkeypatch):
+    """One query per pass (a budget below one query's directions) gives the scores of one pass."""
+    import gradian_lightning.query.exact_scoring as exact_scoring
+
+    cfg = load_config(None, indexed)
+    spec = QuerySpec(method="exact", precondition="ekfac", damping=0.1, top_k="all")
+    (together,) = dense_scores(cfg, [spec])
+    passes = []
+    real = exact_scoring.ExactPass
+
+    def counted(*args, **kwargs):
+        passes.append(args[2]["input_ids"].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exact_scoring, "QUERY_BYTES", 1)
+    monkeypatch.setattr(exact_scoring, "ExactPass", counted)
+    (apart,) = dense_scores(cfg, [spec])
+    assert passes == [1] * len(QUERIES)
+    _close(apart, together)
+
+
+def test_an_index_that_cannot_keep_its_factors_warns_and_scores_the_same(tmp_path, saved_model, indexed, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(recipe, "write_factor_set", read_only)
+    cfg = load_config(None, indexed)
+    with pytest.warns(UserWarning, match="the fitted factors could not be kept in the index at .*fits them again"):
+        (got,) = dense_scores(cfg, [QuerySpec(method="exact", precondition="kfac", damping=0.1)])
+    _close(got, reference(saved_model, kind="kfac", damping=0.1))
+
+
+def test_deleted_training_data_is_refused_naming_data_train(tmp_path, indexed):
+    (tmp_path / "train.jsonl").unlink()
+    with pytest.raises(ConfigError) as err:
+        dense_scores(load_config(None, indexed), [QuerySpec(method="exact")])
+    message = str(err.value)
+    assert "\n" not in message and "data.train" in message and "cannot be read any more" in message
