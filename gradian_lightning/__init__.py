@@ -19,6 +19,8 @@ stack (tests/test_layout.py fails on any import circle and names it):
       scorer.py                Scorer: one checkpoint's scoring, "auto" resolved once; prepare, score, describe
       topk.py                  streaming_topk, score_all (every row, dense) over scorers, Ranking, open_index -> Index
       exact.py                 ExactPass: queries' full gradients (K-FAC / EK-FAC preconditioned) scored against every training row, no row stored
+      exact_scoring.py         query.method=exact: the estimator "auto" resolves to (exact_estimator), the training rows as
+                               batches, the factor cache's key, every row's scores a memory budget of queries at a time
       dask_engine.py           dask_topk: a Scorer's scores as Dask reductions on a cluster (query.engine=dask)
       ann.py                   ann_topk: FAISS shards of the rows as a Scorer compares them propose candidates, scored exactly (query.search=ann)
       token_scores.py          each token's term of a row's score, one backward per row (Scorer.token_terms)
@@ -29,6 +31,7 @@ stack (tests/test_layout.py fails on any import circle and names it):
       writer.py  reader.py     IndexWriter (resumable, one writer per chunk), IndexReader
       statistics.py            per-coordinate sums of squares and the eigendecomposition of each module's RᵀR, read back at close
       checkpoints.py           several checkpoints (step, learning rate) of one model in one index
+      factor_cache.py          the exact pass's fitted factors kept under factors/, keyed, "complete" written last
     gradients/                 the gradient path, plain torch: no Lightning, no zarr
       capture.py               select_modules, LinearCapture (hooks on the selected nn.Linear and Conv1D modules)
       peft.py                  PEFT LoRA models: the model to hook, the names lora_A/lora_B/base layers answer to
@@ -96,6 +99,8 @@ _WHERE = {
     "score_all": "query.topk",
     "streaming_topk": "query.topk",
     "run_validate": "recipes.validate",
+    "run_query": "recipes.query",
+    "dense_scores": "recipes.query",
     "IndexSpec": "specs",
     "QuerySpec": "specs",
 }
@@ -116,6 +121,7 @@ if TYPE_CHECKING:
     from gradian_lightning.query.scorer import Scorer
     from gradian_lightning.query.token_scores import query_token_scores
     from gradian_lightning.query.topk import Index, Ranking, open_index, score_all, streaming_topk
+    from gradian_lightning.recipes.query import dense_scores, run_query
     from gradian_lightning.recipes.validate import run_validate
     from gradian_lightning.specs import IndexSpec, QuerySpec
 
@@ -136,6 +142,7 @@ __all__ = [
     "Scorer",
     "TokenizedRows",
     "collate",
+    "dense_scores",
     "load_config",
     "open_index",
     "query_gradients",
@@ -143,6 +150,7 @@ __all__ = [
     "read_jsonl",
     "score_all",
     "select_modules",
+    "run_query",
     "run_validate",
     "streaming_topk",
     "supervised_token_loss",

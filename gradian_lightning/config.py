@@ -242,6 +242,19 @@ def check_settings(cfg: DictConfig) -> None:
     q = cfg.query
     QuerySpec.from_config(q)  # top_k ... checkpoints
     check(q.engine in ENGINES, "query.engine", q.engine, " or ".join(ENGINES))
+    exact = q.method == "exact"
+    check(
+        not (exact and q.engine == "dask"),
+        "query.engine",
+        q.engine,
+        "local under query.method=exact, whose pass re-reads the training data in this process; the Dask engine scores the stored rows (query.method=index)",
+    )
+    check(
+        not (exact and q.token_scores),
+        "query.token_scores",
+        q.token_scores,
+        "false under query.method=exact; token terms are of the stored rows' scores (query.method=index)",
+    )
     check(
         cfg.index.rows_per_chunk is None or cfg.index.rows_per_chunk >= 1,
         "index.rows_per_chunk",

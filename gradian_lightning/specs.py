@@ -22,11 +22,19 @@ RECOMPUTE = ("mlp", "layers", "none")
 # Every decoder layer's MLP block, named by its role: the linear maps inside it are selected
 # (capture.py), whatever an architecture calls them. Measured best (benchmarks/RANKING.md).
 DEFAULT_MODULE_FILTER = ("mlp",)
-SCORES = ("cosine", "inner")
+# auto: cosine on the index's rows; under the exact pass the inner product (the influence score of
+# full-space factors, which have no cosine; query/exact_scoring.py).
+SCORES = ("auto", "cosine", "inner")
 NORMALIZE = ("auto", "module", "row")
 # auto: fisher where the index kept the k²×k² second moments and counted at least k² rows, ekfac
 # below that, diag where it kept none (query/precondition.py; the N sweep of benchmarks/studies/lds_sets).
-PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
+PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac", "kfac")
+# index: score the stored projected rows (fast, any N); exact: re-read every training row and score
+# it against full-space query gradients (query/exact.py, query/exact_scoring.py).
+METHODS = ("index", "exact")
+# What each method can precondition with: the index's row statistics, or full-space factors.
+INDEX_PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
+EXACT_PRECONDITIONS = ("auto", "none", "kfac", "ekfac")
 # exact: scan every row; ann: candidates from FAISS indexes, re-scored exactly; auto: ann past a
 # measured row count (query/ann.py).
 SEARCHES = ("exact", "ann", "auto")
@@ -163,10 +171,13 @@ class QuerySpec:
 
     top_k: rows kept per query, best first; "all" scores every row (what `gradian validate` needs).
     bottom_k: the most negative rows kept per query ("opponents"); 0 = none.
-    score: "cosine" or "inner" (dot product, after the preconditioner).
+    score: "cosine", "inner" (dot product, after the preconditioner) or "auto": cosine on the
+        index's rows, inner under the exact pass (an influence score has no cosine).
     normalize: what cosine scales to unit norm: "module" (each module's block), "row", or "auto":
         row where the preconditioner is fisher, module otherwise (query/precondition.py: why).
-    precondition: "auto", "none", "diag", "fisher" or "ekfac" (query/precondition.py).
+    precondition: "auto", "none", "diag", "fisher" or "ekfac" on the index's rows
+        (query/precondition.py); "auto", "none", "kfac" or "ekfac" (full-space factors) under the
+        exact pass (query/exact_scoring.py).
     damping: added to the preconditioner, relative to the mean eigenvalue of each module's second moment.
     checkpoints: "all", "last" or a list of steps: whose scores are summed (index/checkpoints.py).
     search: "exact" (scan every row), "ann" (candidates from FAISS indexes, re-scored exactly) or
@@ -176,11 +187,16 @@ class QuerySpec:
     ann_sketch_dim: width the rows as compared are count-sketched to before FAISS indexes them
         (wider rows only).
     ann_shard_rows: rows per ANN shard, each one FAISS index built and searched on its own.
+    method: "index" (score the stored projected rows) or "exact" (re-read every training row and
+        score it against full-space query gradients: query/exact_scoring.py).
+    horizon: the exact pass's factors as approximate unrolling over a training time h >= 0 (in
+        units of 1 / the mean eigenvalue), null for the influence function (H + λI)⁻¹ at
+        `damping`, or "auto": what precondition=auto chooses, the influence function otherwise.
     """
 
     top_k: Any = 10
     bottom_k: int = 0
-    score: str = "cosine"
+    score: str = "auto"
     normalize: str = "auto"
     precondition: str = "auto"
     damping: float = DEFAULT_DAMPING
@@ -190,6 +206,8 @@ class QuerySpec:
     ann_nprobe: int = 32
     ann_sketch_dim: int = 512
     ann_shard_rows: int = 1_000_000
+    method: str = "index"
+    horizon: Any = "auto"
 
     def __post_init__(self) -> None:
         steps = plain(self.checkpoints)
@@ -223,6 +241,63 @@ class QuerySpec:
         for key in ("ann_candidates", "ann_nprobe", "ann_sketch_dim", "ann_shard_rows"):
             value = getattr(self, key)
             check(is_int(value) and value >= 1, f"query.{key}", value, "an integer >= 1")
+        self._check_method()
+
+    def _check_method(self) -> None:
+        """The settings that depend on query.method: each refused in one line naming the fix."""
+        method, horizon = self.method, self.horizon
+        check(method in METHODS, "query.method", method, " or ".join(METHODS))
+        number = isinstance(horizon, (int, float)) and not isinstance(horizon, bool)
+        check(
+            horizon in ("auto", None) or (number and horizon >= 0),
+            "query.horizon",
+            horizon,
+            "auto, null (the influence function) or a number >= 0 (approximate unrolling)",
+        )
+        if method == "index":
+            check(
+                self.precondition in INDEX_PRECONDITIONS,
+                "query.precondition",
+                self.precondition,
+                f"{' or '.join(INDEX_PRECONDITIONS)} on the index's rows; kfac is the exact pass's (query.method=exact)",
+            )
+            check(
+                not number,
+                "query.horizon",
+                horizon,
+                "auto or null under query.method=index; a horizon unrolls the exact pass's factors: set query.method=exact",
+            )
+            return
+        check(
+            self.precondition in EXACT_PRECONDITIONS,
+            "query.precondition",
+            self.precondition,
+            f"{' or '.join(EXACT_PRECONDITIONS)} under query.method=exact (diag and fisher precondition the index's projected rows: set query.method=index for them)",
+        )
+        check(
+            not (self.score == "cosine" and self.precondition != "none"),
+            "query.score",
+            self.score,
+            f"inner or auto with query.precondition={self.precondition} under query.method=exact (an influence score has no cosine), or query.precondition=none for the whole-row cosine",
+        )
+        check(
+            self.normalize != "module",
+            "query.normalize",
+            self.normalize,
+            "auto or row under query.method=exact, whose cosine is of the whole row",
+        )
+        check(
+            not (number and self.precondition == "none"),
+            "query.horizon",
+            horizon,
+            "auto or null with query.precondition=none; a horizon unrolls factors: set query.precondition=ekfac (or kfac, auto)",
+        )
+        check(
+            self.search != "ann",
+            "query.search",
+            self.search,
+            "exact (or auto) under query.method=exact, which scores every row itself",
+        )
 
     @classmethod
     def from_config(cls, query: Any) -> "QuerySpec":

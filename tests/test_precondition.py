@@ -168,7 +168,8 @@ def test_auto_leaves_fisher_to_indexes_with_at_least_as_many_rows_as_its_dimensi
     for rows, used, normalize in ((S - 1, AUTO_FEW_ROWS, "module"), (S, "fisher", "row")):
         index = make_index(tmp_path / f"rows{rows}", random_rows(rows, 0))
         assert auto_preconditioner(index) == used
-        assert resolved_spec(index, QuerySpec()) == QuerySpec(precondition=used, normalize=normalize)
+        # query.score=auto is cosine on the index path
+        assert resolved_spec(index, QuerySpec()) == QuerySpec(precondition=used, normalize=normalize, score="cosine")
         np.testing.assert_array_equal(
             all_scores(index, queries, damping=1.0),
             all_scores(index, queries, precondition=used, normalize=normalize, damping=1.0),

@@ -164,6 +164,26 @@ def index_gradient_rows(
     return made
 
 
+def tokenized_queries(
+    index: IndexReader,
+    rows: Sequence[Dict[str, Any]],
+    tokenizer: Any,
+    max_seq_length: Optional[int] = None,
+    source: str = "query data",
+) -> JsonlDataset:
+    """Query rows tokenised as `index`'s rows were: `max_seq_length` defaults to the index's
+    (its `data.max_seq_length`), or no truncation. `DataError` for a row with no supervised token."""
+    if max_seq_length is None:
+        max_seq_length = index.meta.max_seq_length or 2**31 - 1
+    dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)
+    for example in dataset.examples:
+        if all(label < 0 for label in example.labels[1:]):
+            raise DataError(
+                f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt"
+            )
+    return dataset
+
+
 def query_gradients(
     index: IndexReader,
     model: nn.Module,
@@ -191,14 +211,7 @@ def query_gradients(
     which grads.recompute and grads.loss_chunk_tokens (memory only) are used where given.
     """
     gradient_rows = index_gradient_rows(index, model, settings, given)
-    if max_seq_length is None:
-        max_seq_length = index.meta.max_seq_length or 2**31 - 1
-    dataset = JsonlDataset(rows, tokenizer, max_seq_length, source=source)
-    for example in dataset.examples:
-        if all(label < 0 for label in example.labels[1:]):
-            raise DataError(
-                f"{source} row {example.index + 1} (id {example.id!r}) has no supervised token within max_seq_length={max_seq_length}; give it a completion or shorten its prompt"
-            )
+    dataset = tokenized_queries(index, rows, tokenizer, max_seq_length, source)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     storage, blocks = index.meta.storage_dtype, index.meta.blocks
     out = []

@@ -53,8 +53,8 @@ def unit_modules(
 
 def resolved_spec(index: IndexReader, spec: QuerySpec) -> QuerySpec:
     """`spec` with each "auto" replaced by what it means for `index`: the preconditioner
-    (`auto_preconditioner`), and for query.normalize=auto a whole-row cosine under fisher,
-    per-module otherwise.
+    (`auto_preconditioner`), query.score=auto as cosine, and for query.normalize=auto a whole-row
+    cosine under fisher, per-module otherwise.
 
     Whitened by the full F, modules are on one scale and a whole-row cosine lets the modules that
     moved most weigh most; under ekfac, diag or none, module scales differ and per-module cosine
@@ -63,7 +63,8 @@ def resolved_spec(index: IndexReader, spec: QuerySpec) -> QuerySpec:
     normalize = spec.normalize
     if normalize == "auto":
         normalize = "row" if precondition == "fisher" else "module"
-    return replace(spec, precondition=precondition, normalize=normalize)
+    score = "cosine" if spec.score == "auto" else spec.score
+    return replace(spec, precondition=precondition, normalize=normalize, score=score)
 
 
 class Scorer:

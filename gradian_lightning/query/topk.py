@@ -127,6 +127,21 @@ def score_all(scorers: Sequence[Scorer]) -> torch.Tensor:
     return out
 
 
+def dense_topk(scores: torch.Tensor, spec: QuerySpec) -> tuple[Ranking, Optional[Ranking]]:
+    """`streaming_topk`'s (top, bottom or None) from every row's scores [Q, N] at hand (the exact
+    pass's), NaN for rows never ranked: the `spec.top_k` best finite rows per query, best first,
+    and when `spec.bottom_k` > 0 the most negative, most negative first."""
+    ranked = torch.nonzero(~torch.isnan(scores).all(dim=0)).flatten()  # the same rows for every query
+    kept = scores[:, ranked]
+
+    def best(k: int, largest: bool) -> Ranking:
+        top = kept.topk(min(k, kept.shape[1]), dim=1, largest=largest, sorted=True)
+        return Ranking(ranked[top.indices], top.values)
+
+    top = best(spec.rows_wanted(scores.shape[1]), True)
+    return top, (best(spec.bottom_k, False) if spec.bottom_k else None)
+
+
 def _read_ahead(
     lead: IndexReader, readers: Sequence[IndexReader]
 ) -> Iterator[Tuple[int, int, np.ndarray, List[np.ndarray]]]:
@@ -156,6 +171,15 @@ def _read_ahead(
             pending = pool.submit(read)
             if item[2].any():
                 yield item
+
+
+def refuse_exact(spec: QuerySpec, caller: str) -> None:
+    """`ConfigError` for method=exact where only stored rows are at hand: the exact pass needs the
+    model and the training data, which `run_query` and `dense_scores` have."""
+    if spec.method == "exact":
+        raise ConfigError(
+            f"{caller}(method='exact') scores the stored rows only; for the exact pass call gradian_lightning.run_query(cfg) or dense_scores(cfg, [QuerySpec(method='exact', ...)]) with a config naming the model and data.train, or leave method=index"
+        )
 
 
 class Index:
@@ -197,6 +221,7 @@ class Index:
         (specs.py: score, normalize, precondition, ...). The index is streamed chunk by chunk.
         """
         spec = spec_from_arguments(QuerySpec, "Index.topk", (), {"top_k": k, **settings}, ("query_rows", "k", "device"))
+        refuse_exact(spec, "Index.topk")
         if spec.search != "exact":  # ann.py builds on this module, so it is called there, not from here
             raise ConfigError(
                 f"Index.topk(search={spec.search!r}) is the exact scan; for the two-stage search call gradian_lightning.query.ann.ann_topk(checkpoint_scorers(index.reader, query_rows, QuerySpec(search='ann', ...), shortcut=False)), or leave search=exact"
@@ -214,6 +239,7 @@ class Index:
         """Every query's score of every row, float32 [Q, N], NaN for rows never ranked (`score_all`);
         `settings` are the `QuerySpec`'s fields, as for `topk`."""
         spec = spec_from_arguments(QuerySpec, "Index.score_all", (), settings, ("query_rows", "device"))
+        refuse_exact(spec, "Index.score_all")
         return score_all(checkpoint_scorers(self.reader, query_rows, spec, device))
 
 

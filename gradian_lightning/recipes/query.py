@@ -20,17 +20,30 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from gradian_lightning.config import is_given, require
-from gradian_lightning.data import Fields
+from gradian_lightning.data import Fields, TokenizedRows
 from gradian_lightning.data_sources import indexed_rows, open_rows
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.gradients.factors import Factors, fit_factors
+from gradian_lightning.hub import pad_token_id
 from gradian_lightning.index.checkpoints import checkpoint_weights
+from gradian_lightning.index.factor_cache import read_factor_set, write_factor_set
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.ann import ann_topk, require_faiss, uses_ann
 from gradian_lightning.query.dask_engine import check_workers_can_open, dask_client, dask_topk
-from gradian_lightning.query.rows import check_matches_index, query_gradients
+from gradian_lightning.query.exact_scoring import (
+    TrainBatches,
+    exact_estimator,
+    exact_modules,
+    exact_scores,
+    factor_arrays,
+    factor_set_key,
+    factor_set_name,
+    factors_from_arrays,
+)
+from gradian_lightning.query.rows import check_matches_index, query_gradients, tokenized_queries
 from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
 from gradian_lightning.query.token_scores import for_query, row_token_terms, summed_over_checkpoints
-from gradian_lightning.query.topk import Index, Ranking, score_all, streaming_topk
+from gradian_lightning.query.topk import Index, Ranking, dense_topk, score_all, streaming_topk
 from gradian_lightning.saved_models import load_saved_model, saved_models
 from gradian_lightning.specs import IndexSpec, QuerySpec, field_names
 
@@ -194,9 +207,7 @@ def make_query_rows(
 ) -> QueryRows:
     """The rows of `queries` at each checkpoint `which` (query.checkpoints) chooses, each made with
     that checkpoint's saved model on the device `cfg.trainer` asks for (Fabric)."""
-    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
-    fabric = L.Fabric(**fabric_kwargs, devices=1)
+    fabric = fabric_of(cfg)
     rows, readers, kept = {}, {}, {}
     for step, name in _checkpoint_models(cfg, index, which):
         reader = readers[step] = index if step == index.step else index.at(step)
@@ -221,16 +232,137 @@ def make_query_rows(
     return QueryRows(rows, readers, kept, fabric.device, index.reader)
 
 
+def fabric_of(cfg: Any) -> L.Fabric:
+    """The one-device `lightning.Fabric` of `cfg.trainer`'s accelerator and precision: where and
+    in what precision the query's models run."""
+    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fabric_kwargs = {k: trainer[k] for k in ("accelerator", "precision") if trainer.get(k) is not None}
+    return L.Fabric(**fabric_kwargs, devices=1)
+
+
+@dataclass
+class ExactScores:
+    """The exact pass's scores (query.method=exact): `scores` float32 [Q, N], NaN for rows never
+    ranked; `by_checkpoint` {step: that checkpoint's weighted share [Q, N]}, summing to `scores`;
+    `scoring` in words; `device` where it ran."""
+
+    scores: np.ndarray
+    by_checkpoint: Dict[int, np.ndarray]
+    scoring: str
+    device: torch.device
+
+
+def exact_dense_scores(
+    cfg: Any,
+    index: Index,
+    queries: List[Dict[str, Any]],
+    spec: IndexSpec,
+    given: List[str],
+    q: QuerySpec,
+    train: Any = None,
+) -> ExactScores:
+    """Every query against every training row of the index, by the exact pass (query/exact.py): the
+    rows re-read from the data the index was built from (`indexed_rows`), tokenised with its
+    max_seq_length and batched by grads.batch_size; at each checkpoint `q.checkpoints` sums, that
+    checkpoint's saved model, its factors fitted there (or read from the index's factors/ cache),
+    the scores weighted as the index path weights them. Rows the index never ranks are NaN."""
+    estimator = exact_estimator(q)
+    fields = Fields.from_config(cfg.data)
+    train_rows, why = indexed_rows(index.meta.data_segments(), fields, train)
+    if train_rows is None:
+        raise ConfigError(
+            f"setting 'query.method'='exact' re-reads every training row of the index at {str(index.path)!r} from data.train, and {why}; restore that data, or set query.method=index to score the stored rows"
+        )
+    weights = {int(e["step"]): w for e, w in checkpoint_weights(index.checkpoints, q.checkpoints)}
+    chosen = _checkpoint_models(cfg, index, q.checkpoints)
+    readers = {step: index.reader if step == index.step else index.reader.at(step) for step, _ in chosen}
+    rankable = np.logical_and.reduce([r.rankable(0, len(index)) for r in readers.values()])
+    positions = np.flatnonzero(rankable)
+    max_seq_length = int(index.meta.max_seq_length or cfg.grads.max_seq_length)
+    fabric = fabric_of(cfg)
+    # What the model ran in, for the factor cache's key: the trainer's precision and the model's dtype.
+    precision = f"{OmegaConf.to_container(cfg.trainer, resolve=True).get('precision')}/{cfg.model.dtype}"
+    total, by_checkpoint = None, {}
+    for step, name in chosen:
+        reader = readers[step]
+        model, tokenizer = load_saved_model(cfg.model, name)
+        fabric.setup_module(model)  # cast and placed as make_query_rows places it
+        modules, run_spec = exact_modules(reader, model, spec, given)
+        pad = pad_token_id(tokenizer)
+        rows = TokenizedRows(train_rows, tokenizer, max_seq_length, source="data.train")
+        batches = TrainBatches(rows, positions, int(cfg.grads.batch_size), pad, fabric.device)
+        examples = tokenized_queries(reader, queries, tokenizer, max_seq_length, str(cfg.query.data)).examples
+        # No autocast, unlike make_query_rows: the factor sums, their eigenbases, the preconditioning
+        # and the contractions run outside the hooks that keep the index path's projection in
+        # float32, and in bf16 they would lose the small eigenvalues the inverse weighs most. The
+        # forward runs in the weights' own dtype (a *-true precision's, cast by setup_module).
+        factors = None
+        if estimator.factors is not None:
+            key = factor_set_key(reader, estimator.factors, positions, max_seq_length, precision)
+            factors = _factors(index, model, run_spec, modules, batches, step, estimator.factors, key, fabric)
+        part = exact_scores(model, run_spec, modules, examples, pad, batches, len(index), estimator, factors)
+        part = part.numpy() * np.float32(weights[step])
+        by_checkpoint[step] = part
+        total = part.copy() if total is None else total + part
+        del model, factors
+    total[:, ~rankable] = np.nan
+    scoring = estimator.describe()
+    if len(chosen) > 1:
+        scoring += f", summed over {len(chosen)} checkpoints weighted by learning rate"
+    return ExactScores(total, by_checkpoint, scoring, fabric.device)
+
+
+def _factors(
+    index: Index,
+    model: Any,
+    spec: IndexSpec,
+    modules: Dict[str, Any],
+    batches: TrainBatches,
+    step: int,
+    kind: str,
+    key: Dict[str, Any],
+    fabric: L.Fabric,
+) -> Factors:
+    """Checkpoint `step`'s factors: read from the index's factors/ cache when a complete set was
+    fitted under `key`, else fitted over `batches` and written there (a read-only index is warned
+    of, and the factors are used unstored)."""
+    name = factor_set_name(step, kind)
+    stored = read_factor_set(str(index.path), name, key)
+    if stored is not None:
+        return factors_from_arrays(stored, kind, fabric.device)
+    factors = fit_factors(model, spec, batches, ekfac=kind == "ekfac", modules=modules)
+    try:
+        write_factor_set(str(index.path), name, key, factor_arrays(factors))
+    except OSError as err:
+        warnings.warn(
+            f"the fitted factors could not be kept in the index at {str(index.path)!r} ({type(err).__name__}: {err}); the next exact query fits them again",
+            stacklevel=3,
+        )
+    return factors
+
+
 def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
     """Float32 [Q, N] per entry of `scorings`: every query of `cfg.query.data` against every row of
     the index (`score_all`; NaN for rows never ranked). The query rows are made once, at every
-    checkpoint any of the scorings sums, and each scoring is one streamed pass over the index."""
+    checkpoint any of the index-path scorings sums, and each such scoring is one streamed pass over
+    the index; a query.method=exact scoring is its own exact pass (`exact_dense_scores`)."""
     require(cfg, "model.name_or_path", "query.data")
     index, spec, given = open_for_query(cfg)
-    steps = sorted({int(e["step"]) for q in scorings for e, _ in checkpoint_weights(index.checkpoints, q.checkpoints)})
-    which = "last" if steps == [index.step] else steps
-    made = make_query_rows(cfg, index, read_queries(cfg), spec, given, which)
-    return [score_all(made.scorers(q)).numpy() for q in scorings]
+    queries = read_queries(cfg)
+    stored = [q for q in scorings if q.method == "index"]
+    made = None
+    if stored:
+        steps = sorted(
+            {int(e["step"]) for q in stored for e, _ in checkpoint_weights(index.checkpoints, q.checkpoints)}
+        )
+        which = "last" if steps == [index.step] else steps
+        made = make_query_rows(cfg, index, queries, spec, given, which)
+    return [
+        exact_dense_scores(cfg, index, queries, spec, given, q).scores
+        if q.method == "exact"
+        else score_all(made.scorers(q)).numpy()
+        for q in scorings
+    ]
 
 
 def read_queries(cfg: Any, queries: Any = None) -> List[Dict[str, Any]]:
@@ -286,25 +418,33 @@ def _answer(
         raise ConfigError(
             f"setting 'query.engine'='dask' scores one checkpoint, but query.checkpoints={which!r} chooses {chosen} of the index at {str(index.path)!r}; set query.checkpoints=last (or one step), or use query.engine=local to sum checkpoints"
         )
-    searched = client is None and uses_ann(q, len(index))
+    searched = client is None and q.method == "index" and uses_ann(q, len(index))
     if searched:
         require_faiss()  # before the model loads
-    made = make_query_rows(cfg, index, queries, spec, given, which, keep_models=cfg.query.token_scores)
-    if client is not None:
-        ((step, rows),) = made.rows.items()
-        scorers = [Scorer(made.readers[step], q).prepare(rows.cpu())]
-        top, bottom = dask_topk(scorers[0], client=client)
-    elif searched:  # two-stage: ANN candidates (the ANN index built on first use), re-scored exactly
-        scorers = made.scorers(q, shortcut=False)
-        top, bottom = ann_topk(scorers)
+    if q.method == "exact":  # query.engine=dask and query.token_scores are refused with it (config.check_settings)
+        exact = exact_dense_scores(cfg, index, queries, spec, given, q, train)
+        top, bottom = dense_topk(torch.from_numpy(exact.scores), q)
+        made, scoring, where = None, exact.scoring, str(exact.device)
     else:
-        scorers = made.scorers(q)
-        top, bottom = streaming_topk(scorers)
+        made = make_query_rows(cfg, index, queries, spec, given, which, keep_models=cfg.query.token_scores)
+        if client is not None:
+            ((step, rows),) = made.rows.items()
+            scorers = [Scorer(made.readers[step], q).prepare(rows.cpu())]
+            top, bottom = dask_topk(scorers[0], client=client)
+        elif searched:  # two-stage: ANN candidates (the ANN index built on first use), re-scored exactly
+            scorers = made.scorers(q, shortcut=False)
+            top, bottom = ann_topk(scorers)
+        else:
+            scorers = made.scorers(q)
+            top, bottom = streaming_topk(scorers)
+        scoring = describe_scoring(scorers)
+        if searched:
+            scoring += (
+                f"; exact scores of {q.ann_candidates} ANN candidates per shard and query (query.search={q.search})"
+            )
+        where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(made.device)
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
-    scoring = describe_scoring(scorers)
-    if searched:
-        scoring += f"; exact scores of {q.ann_candidates} ANN candidates per shard and query (query.search={q.search})"
     for entry in results:
         entry["scoring"] = scoring
     # Row texts only from the very data that was indexed: edited data no longer lines up.
@@ -327,7 +467,6 @@ def _answer(
         warnings.warn(f"row texts are not shown: {why}; the ranking is of the indexed rows", stacklevel=3)
     if cfg.query.output:
         write_results(cfg.query.output, results)
-    where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(made.device)
     return {
         "results": results,
         "queries": queries,

@@ -28,6 +28,7 @@ from gradian_lightning.recipes.query import (
     Explain,
     check_writable,
     describe_scoring,
+    exact_dense_scores,
     make_query_rows,
     open_for_query,
     read_queries,
@@ -161,6 +162,15 @@ def run_report(cfg: Any) -> Path:
             f"gradian report shows the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data, then rerun gradian report"
         )
     q = QuerySpec.from_config(cfg.query)
+    if q.method == "exact":  # every row's score by the exact pass; token terms are the index path's
+        exact = exact_dense_scores(cfg, index, queries, spec, given, q)
+        scores, scoring = exact.scores, exact.scoring
+        by_checkpoint = exact.by_checkpoint if len(exact.by_checkpoint) > 1 else {}
+        note = "Scored by the exact pass (query.method=exact): every training row's full-space gradient, read again from the indexed data. Tokens are not shaded: token terms are of the stored rows' scores (query.method=index)."
+        return write_report(
+            out,
+            report_data(index, queries, train_rows, results, scores, by_checkpoint, None, 0, scoring, note),
+        )
     made = make_query_rows(cfg, index, queries, spec, given, q.checkpoints, keep_models=cfg.report.token_rows > 0)
     scorers = made.scorers(q)
     scores = score_all(scorers).numpy()

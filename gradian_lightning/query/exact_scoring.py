@@ -1,0 +1,201 @@
+"""query.method=exact: the exact pass (exact.py) as `gradian query`, `gradian validate` and the report use it.
+
+    exact_estimator(QuerySpec)    what the exact pass computes: the one place "auto" is resolved
+    TrainBatches                  the index's training rows, tokenised and batched as indexing did
+    exact_modules                 the index's modules in a checkpoint's model, checked against it
+    factor_set_key / factor_set   what a cached factor set was fitted from; `Factors` <-> arrays
+    exact_scores                  [Q, N] of one checkpoint, queries taken a memory budget at a time
+
+The recipe (recipes/query.py) loads each checkpoint's model, fits or reads its factors, and sums
+the checkpoints' scores with their weights, as the index path sums its scorers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradian_lightning.data import Example, TokenizedRows, collate
+from gradian_lightning.gradients.batch import BATCH_KEYS
+from gradian_lightning.gradients.factors import Factors
+from gradian_lightning.gradients.peft import unwrap_peft
+from gradian_lightning.index.reader import IndexReader
+from gradian_lightning.query.exact import ExactPass
+from gradian_lightning.query.rows import check_matches_index
+from gradian_lightning.specs import MEMORY_SETTINGS, IndexSpec, QuerySpec, field_names
+
+# What query.precondition=auto computes under the exact pass, until the LDS study (issue 41) says
+# otherwise: EK-FAC in full space as approximate unrolling over this horizon (in units of 1 / the
+# mean eigenvalue, `Factors.precondition`), between TracIn's gradient product (short horizons) and
+# the influence function (long ones). A placeholder value: change it, and only it, here.
+AUTO_FACTORS = "ekfac"
+AUTO_HORIZON = 3.0
+# Bytes of query directions (one [out, in] matrix per module and query) one pass over the training
+# rows holds: more queries than fit are scored in several passes.
+QUERY_BYTES = 2**31
+FACTOR_SET_FORMAT = 1  # bump when what a factor set holds changes: older sets are then refitted
+
+
+@dataclass(frozen=True)
+class ExactEstimator:
+    """What the exact pass computes. factors: None (no preconditioning), "kfac" or "ekfac";
+    cosine: whole-row cosine (no factors only); damping: λ as a fraction of each module's mean
+    eigenvalue (influence function only); horizon: None for the influence function, else
+    approximate unrolling over it."""
+
+    factors: Optional[str]
+    cosine: bool
+    damping: float
+    horizon: Optional[float]
+
+    def describe(self) -> str:
+        """In the words the query's output, summary line and report use, e.g.
+        "exact pass: full-space EK-FAC influence, damping 0.1"."""
+        if self.factors is None:
+            return f"exact pass: full-space {'whole-row cosine' if self.cosine else 'inner product'}"
+        name = {"kfac": "K-FAC", "ekfac": "EK-FAC"}[self.factors]
+        if self.horizon is None:
+            return f"exact pass: full-space {name} influence, damping {self.damping:g}"
+        return f"exact pass: full-space {name} approximate unrolling, horizon {self.horizon:g}"
+
+
+def exact_estimator(spec: QuerySpec) -> ExactEstimator:
+    """The estimator of a query.method=exact spec (specs.py has refused what cannot be computed).
+
+    precondition=auto: `AUTO_FACTORS` with `AUTO_HORIZON`, or with the horizon given; kfac and
+    ekfac: the influence function at query.damping unless a horizon is given; none: the inner
+    product, or the whole-row cosine for query.score=cosine. score=auto is the inner product."""
+    horizon = None if spec.horizon == "auto" else spec.horizon
+    if spec.precondition == "none":
+        return ExactEstimator(None, spec.score == "cosine", float(spec.damping), None)
+    if spec.precondition == "auto":
+        return ExactEstimator(
+            AUTO_FACTORS, False, float(spec.damping), AUTO_HORIZON if spec.horizon == "auto" else horizon
+        )
+    return ExactEstimator(spec.precondition, False, float(spec.damping), None if horizon is None else float(horizon))
+
+
+def exact_modules(
+    index: IndexReader, model: nn.Module, settings: Optional[IndexSpec] = None, given: Optional[Collection[str]] = None
+) -> Tuple[Dict[str, nn.Module], IndexSpec]:
+    """The index's modules in `model` by name, and the spec the exact pass runs with (the index's,
+    with the caller's memory-only settings where given, as `index_gradient_rows`). Raises
+    `IndexMismatchError` where the model or settings cannot match the index."""
+    model = unwrap_peft(model)
+    check_matches_index(index, model, settings, given)
+    linears = dict(model.named_modules())
+    given = set(field_names(IndexSpec) if given is None else given)
+    memory = {k: getattr(settings, k) for k in MEMORY_SETTINGS if settings is not None and k in given}
+    return {b.name: linears[b.name] for b in index.meta.blocks}, replace(index.meta.spec, **memory)
+
+
+class TrainBatches:
+    """The training rows at `positions`, tokenised (`TokenizedRows`) and collated as indexing
+    collated them, `batch_size` at a time: each batch's `input_ids`, `attention_mask`, `labels` on
+    `device` and its `index` (dataset positions) on the CPU, where `ExactPass.score_all` puts the
+    columns. Iterable again and again (a factor fit reads the rows twice), tokenising as it goes:
+    memory does not grow with the rows. Collated here, not by a DataLoader, whose iterator draws
+    from the caller's RNG."""
+
+    def __init__(
+        self,
+        rows: TokenizedRows,
+        positions: Sequence[int],
+        batch_size: int,
+        pad_token_id: int,
+        device: torch.device,
+    ) -> None:
+        self.rows, self.positions, self.batch_size = rows, [int(p) for p in positions], batch_size
+        self.pad, self.device = pad_token_id, device
+
+    def __len__(self) -> int:
+        return -(-len(self.positions) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        for lo in range(0, len(self.positions), self.batch_size):
+            examples: List[Example] = [self.rows[p] for p in self.positions[lo : lo + self.batch_size]]
+            batch = collate(examples, pad_token_id=self.pad)
+            yield {**{k: batch[k].to(self.device) for k in BATCH_KEYS}, "index": batch["index"]}
+
+
+def positions_digest(positions: np.ndarray) -> str:
+    """SHA-256 of the positions fitted on (int64): the rows of a factor set."""
+    return hashlib.sha256(np.asarray(positions, dtype=np.int64).tobytes()).hexdigest()
+
+
+def factor_set_key(
+    index: IndexReader, kind: str, positions: np.ndarray, max_seq_length: int, precision: Any
+) -> Dict[str, Any]:
+    """What a factor set of checkpoint `index` was fitted from: any difference refits it. The
+    modules, the training data (each source's fingerprint), the rows fitted on, their tokenisation,
+    the checkpoint's weights (their digest, or the model's name where the index has none) and the
+    precision the model ran in."""
+    entry = next(e for e in index.checkpoints if int(e["step"]) == index.step)
+    return {
+        "format": FACTOR_SET_FORMAT,
+        "kind": kind,
+        "modules": [b.name for b in index.meta.blocks],
+        "data": [s["data"].get("fingerprint") or s["data"].get("sha256") for s in index.meta.data_segments()],
+        "rows": positions_digest(positions),
+        "max_seq_length": int(max_seq_length),
+        "weights": entry.get("weights_sha256") or index.meta.model.get("name_or_path"),
+        "precision": str(precision),
+    }
+
+
+def factor_set_name(step: int, kind: str) -> str:
+    """The name of checkpoint `step`'s factor set under index.path/factors/."""
+    return f"step-{int(step)}-{kind}"
+
+
+def factor_arrays(factors: Factors) -> Dict[str, np.ndarray]:
+    """`Factors.state()` as float32 NumPy arrays, to store."""
+    return {k: t.detach().to("cpu", torch.float32).numpy() for k, t in factors.state().items()}
+
+
+def factors_from_arrays(arrays: Dict[str, np.ndarray], kind: str, device: torch.device) -> Factors:
+    """The `Factors` that `factor_arrays` stored, on `device`."""
+    return Factors.from_state({k: torch.from_numpy(np.asarray(v)).to(device) for k, v in arrays.items()}, kind)
+
+
+def queries_per_pass(modules: Dict[str, nn.Module]) -> int:
+    """Queries whose directions (float32, one [out, in] per module) fit in `QUERY_BYTES`."""
+    per_query = 4 * sum(int(m.weight.numel()) for m in modules.values())
+    return max(1, QUERY_BYTES // max(per_query, 1))
+
+
+def exact_scores(
+    model: nn.Module,
+    spec: IndexSpec,
+    modules: Dict[str, nn.Module],
+    queries: Sequence[Example],
+    pad_token_id: int,
+    batches: TrainBatches,
+    rows: int,
+    estimator: ExactEstimator,
+    factors: Optional[Factors] = None,
+) -> torch.Tensor:
+    """float32 [Q, rows] on the CPU: each query's exact score of every row `batches` holds, at its
+    dataset position (0 elsewhere), one `ExactPass` per `queries_per_pass` queries. `factors` are
+    needed when `estimator.factors` is set."""
+    out = []
+    step = queries_per_pass(modules)
+    for lo in range(0, len(queries), step):
+        batch = collate(list(queries[lo : lo + step]), pad_token_id=pad_token_id)
+        exact = ExactPass(
+            model,
+            spec,
+            {k: batch[k].to(batches.device) for k in BATCH_KEYS},
+            factors=factors if estimator.factors else None,
+            damping=estimator.damping,
+            cosine=estimator.cosine,
+            modules=modules,
+            horizon=estimator.horizon,
+        )
+        out.append(exact.score_all(batches, rows).float())
+    return torch.cat(out)
