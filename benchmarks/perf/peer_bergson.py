@@ -10,8 +10,9 @@ Both tools run as their CLIs (`gradian index`, `bergson build`), each run a fres
 the tools alternating, with the same OMP_NUM_THREADS; the ratios are gradian / bergson of the
 medians. Settings are matched:
 
-- rows: the quickstart train set (120 rows) rewritten as one-turn chats (`messages`: the prompt as
-  the user turn, the completion as the assistant's). bergson renders prompt/completion rows through
+- rows: the first 8 and all 120 rows of the quickstart train set (two sizes, so that the cost of
+  each further batch shows apart from the fixed cost of a run), rewritten as one-turn chats
+  (`messages`: the prompt as the user turn, the completion as the assistant's). bergson renders prompt/completion rows through
   the tokenizer's chat template and gradian does not, so on the same prompt/completion file bergson
   would run 3× the tokens (48 against 16 on SmolLM2's template, which adds a system prompt); as
   chats both render the same template and run the same tokens, supervising the assistant turn;
@@ -31,7 +32,7 @@ medians. Settings are matched:
 After each tool's first run the script checks what it stored: the same module names, k² numbers
 a module, one row per input row; the table gives each side's stored bytes a row.
 
-    PYTHONPATH=. python -m benchmarks.perf.peer_bergson                  # SmolLM2, 3 runs each
+    PYTHONPATH=. python -m benchmarks.perf.peer_bergson                  # SmolLM2, 8 and 120 rows, 3 runs each
     PYTHONPATH=. python -m benchmarks.perf.peer_bergson --model tiny
     PYTHONPATH=. python -m benchmarks.perf.peer_bergson --smoke --out /tmp/x      # gradian side only
 """
@@ -140,15 +141,15 @@ def make_tiny_model_dir(where: Path, hidden: int, layers: int) -> Path:
     return where
 
 
-def write_chat_rows(source: Path, out: Path) -> int:
-    """Rewrite prompt/completion JSONL rows as one-turn chats (`messages`: user = prompt, assistant =
-    completion), keeping each row's id; returns the number of rows."""
-    rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+def write_chat_rows(source: Path, out: Path, rows: int) -> int:
+    """Rewrite the first `rows` prompt/completion JSONL rows of `source` as one-turn chats (`messages`:
+    user = prompt, assistant = completion), keeping each row's id; returns the number written."""
+    lines = [json.loads(line) for line in source.read_text().splitlines() if line.strip()][:rows]
     with out.open("w") as f:
-        for row in rows:
+        for row in lines:
             turns = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
             f.write(json.dumps({"id": row["id"], "messages": turns}) + "\n")
-    return len(rows)
+    return len(lines)
 
 
 def gradian_command(model_dir: Path, data: Path, out: Path, config: Path, setting: Setting) -> List[str]:
@@ -249,71 +250,118 @@ def check_same_numbers(gradian: Dict[str, Any], bergson: Dict[str, Any], rows: i
 
 
 def run_side_by_side(args: argparse.Namespace, setting: Setting, env: Dict[str, str], tmp: Path) -> Dict[str, Any]:
-    """Alternating fresh-process runs of each tool; returns {runs: {tool: [measure]}, stored: {tool: ...}, rows}."""
+    """Alternating fresh-process runs of each tool at each row count; returns {runs: {"tool@rows":
+    [measure]}, stored: {tool: what its first run at the most rows stored}, rows: [row counts]}."""
     tools = ["gradian"] if args.smoke else ["gradian", "bergson"]
     if args.model == "smollm2" and not args.smoke:
         model_dir = SMOLLM2
     else:
         model_dir = make_tiny_model_dir(tmp / "model", args.hidden, args.layers)
-    data = tmp / "chats.jsonl"
-    rows = write_chat_rows(DATA, data)
-    runs: Dict[str, List[Dict[str, Any]]] = {t: [] for t in tools}
+    data = {n: tmp / f"chats-{n}.jsonl" for n in args.rows}
+    counts = [write_chat_rows(DATA, data[n], n) for n in args.rows]
+    if counts != list(args.rows):
+        raise SystemExit(f"peer_bergson: error: --rows {args.rows}: {DATA.name} has only {max(counts)} rows")
+    runs: Dict[str, List[Dict[str, Any]]] = {f"{t}@{n}": [] for t in tools for n in args.rows}
     stored: Dict[str, Dict[str, Any]] = {}
     for r in range(args.repeats):
-        for tool in tools if r % 2 == 0 else tools[::-1]:
-            out = tmp / f"{tool}-{r}"
-            cmd = (
-                gradian_command(model_dir, data, out, tmp / "gradian.yaml", setting)
-                if tool == "gradian"
-                else bergson_command(Path(args.venv), model_dir, data, out, setting)
-            )
-            result = measure_command(cmd, env=env, cwd=tmp)
-            if result["rc"] != 0:
-                raise SystemExit(f"{tool} failed (exit {result['rc']}):\n{result['stderr']}")
-            result["bytes"] = bytes_on_disk(out)
-            if tool not in stored:
-                stored[tool] = (gradian_stored if tool == "gradian" else bergson_stored)(out)
-            print(
-                f"{tool} run {r}: {result['wall_s']:.1f} s wall, {result['cpu_s']:.1f} s CPU, peak RSS {fmt_bytes(result['peak_rss'])}, {fmt_bytes(result['bytes'])} on disk",
-                flush=True,
-            )
-            runs[tool].append({k: result[k] for k in ("wall_s", "cpu_s", "peak_rss", "bytes")})
-            shutil.rmtree(out, ignore_errors=True)
+        for n in args.rows:
+            for tool in tools if r % 2 == 0 else tools[::-1]:
+                out = tmp / f"{tool}-{n}-{r}"
+                cmd = (
+                    gradian_command(model_dir, data[n], out, tmp / "gradian.yaml", setting)
+                    if tool == "gradian"
+                    else bergson_command(Path(args.venv), model_dir, data[n], out, setting)
+                )
+                result = measure_command(cmd, env=env, cwd=tmp)
+                if result["rc"] != 0:
+                    raise SystemExit(f"{tool} failed (exit {result['rc']}):\n{result['stderr']}")
+                result["bytes"] = bytes_on_disk(out)
+                if n == max(args.rows) and tool not in stored:
+                    stored[tool] = (gradian_stored if tool == "gradian" else bergson_stored)(out)
+                print(
+                    f"{tool}, {n} rows, run {r}: {result['wall_s']:.1f} s wall, {result['cpu_s']:.1f} s CPU, peak RSS {fmt_bytes(result['peak_rss'])}, {fmt_bytes(result['bytes'])} on disk",
+                    flush=True,
+                )
+                runs[f"{tool}@{n}"].append({k: result[k] for k in KEYS})
+                shutil.rmtree(out, ignore_errors=True)
     if "bergson" in stored:
-        check_same_numbers(stored["gradian"], stored["bergson"], rows, setting.projection_dim)
-    for held in stored.values():  # checked: keep the count, not the 90 names
+        check_same_numbers(stored["gradian"], stored["bergson"], max(args.rows), setting.projection_dim)
+    for held in stored.values():  # checked: keep the count, not the names
         held["modules"] = len(held["modules"])
-    return {"runs": runs, "stored": stored, "rows": rows}
+    return {"runs": runs, "stored": stored, "rows": list(args.rows), "tools": tools}
 
 
 KEYS = ("wall_s", "cpu_s", "peak_rss", "bytes")
 
 
-def tables(measured: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The per-tool medians and, with both tools, the gradian / bergson ratios."""
-    runs, stored = measured["runs"], measured["stored"]
-    med = {t: {k: statistics.median(x[k] for x in runs[t]) for k in KEYS} for t in runs}
-    rows = [
-        [
-            t,
-            f"{med[t]['wall_s']:.1f}",
-            f"{med[t]['cpu_s']:.1f}",
-            fmt_bytes(med[t]["peak_rss"]),
-            f"{stored[t]['dtype']}, {stored[t]['row_bytes']:,}",
-            fmt_bytes(med[t]["bytes"]),
-        ]
-        for t in runs
+def medians(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, float]]:
+    """{"tool@rows": {measure: median over the repeats}}."""
+    return {key: {k: statistics.median(x[k] for x in runs[key]) for k in KEYS} for key in runs}
+
+
+def tables(measured: Dict[str, Any], batch: int) -> List[Dict[str, Any]]:
+    """Per tool and row count the medians; with both tools, the gradian / bergson ratios at each row
+    count; with two row counts, what each further batch of `batch` rows cost (the difference of the
+    medians over the difference in batches), which leaves out the fixed cost of a run."""
+    med, stored, rows, tools = medians(measured["runs"]), measured["stored"], measured["rows"], measured["tools"]
+    header = [
+        "tool",
+        "rows",
+        "wall s",
+        "CPU s",
+        "peak RSS",
+        "stored gradients: dtype, bytes a row",
+        "whole index on disk",
     ]
-    header = ["tool", "wall s", "CPU s", "peak RSS", "stored gradients: dtype, bytes a row", "whole index on disk"]
-    out = [{"header": header, "rows": rows}]
-    if "bergson" in med:
-        g, b = med["gradian"], med["bergson"]
-        ratio = [f"{g[k] / b[k]:.2f}" for k in KEYS[:3]]
-        row_ratio = f"{stored['gradian']['row_bytes'] / stored['bergson']['row_bytes']:.2f}"
+    out = [
+        {
+            "header": header,
+            "rows": [
+                [
+                    t,
+                    n,
+                    f"{med[f'{t}@{n}']['wall_s']:.1f}",
+                    f"{med[f'{t}@{n}']['cpu_s']:.1f}",
+                    fmt_bytes(med[f"{t}@{n}"]["peak_rss"]),
+                    f"{stored[t]['dtype']}, {stored[t]['row_bytes']:,}",
+                    fmt_bytes(med[f"{t}@{n}"]["bytes"]),
+                ]
+                for n in rows
+                for t in tools
+            ],
+        }
+    ]
+    if "bergson" not in tools:
+        return out
+    row_ratio = f"{stored['gradian']['row_bytes'] / stored['bergson']['row_bytes']:.2f}"
+    ratios = []
+    for n in rows:
+        g, b = med[f"gradian@{n}"], med[f"bergson@{n}"]
+        ratios.append([n, *(f"{g[k] / b[k]:.2f}" for k in KEYS[:3]), row_ratio, f"{g['bytes'] / b['bytes']:.2f}"])
+    out.append(
+        {
+            "header": ["gradian / bergson at rows", "wall time", "CPU time", "peak RSS", "bytes a row", "whole index"],
+            "rows": ratios,
+        }
+    )
+    if len(rows) == 2:
+        lo, hi = rows
+        batches = -(-hi // batch) - -(-lo // batch)
+        each = {
+            t: {k: (med[f"{t}@{hi}"][k] - med[f"{t}@{lo}"][k]) / batches for k in ("wall_s", "cpu_s")} for t in tools
+        }
         out.append(
             {
-                "header": ["gradian / bergson", "wall time", "CPU time", "peak RSS", "bytes a row", "whole index"],
-                "rows": [["ratio", *ratio, row_ratio, f"{g['bytes'] / b['bytes']:.2f}"]],
+                "title": f"Each further batch of {batch} rows, from the {lo}-row to the {hi}-row runs ({batches} batches):",
+                "header": ["", "wall s a batch", "CPU s a batch"],
+                "rows": [
+                    *([t, f"{each[t]['wall_s']:.2f}", f"{each[t]['cpu_s']:.2f}"] for t in tools),
+                    [
+                        "gradian / bergson",
+                        f"{each['gradian']['wall_s'] / each['bergson']['wall_s']:.2f}",
+                        f"{each['gradian']['cpu_s'] / each['bergson']['cpu_s']:.2f}",
+                    ],
+                ],
             }
         )
     return out
@@ -323,6 +371,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SETTINGS), default="smollm2")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each tool, alternating (medians)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[8, 120],
+        help="the first N rows of the quickstart train set, one or two counts (default 8 120: two counts also give each further batch's cost)",
+    )
     parser.add_argument("--hidden", type=int, default=128, help="--model tiny only")
     parser.add_argument("--layers", type=int, default=4, help="--model tiny only")
     parser.add_argument(
@@ -337,7 +392,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
-        args.model, args.layers, args.repeats = "tiny", 2, 1
+        args.model, args.layers, args.repeats, args.rows = "tiny", 2, 1, [16]
+    if not 1 <= len(args.rows) <= 2 or sorted(set(args.rows)) != args.rows:
+        raise SystemExit(f"peer_bergson: error: --rows {args.rows}: give one or two increasing row counts")
     setting = SETTINGS[args.model]
     env = {
         **os.environ,
@@ -353,7 +410,7 @@ def main() -> None:
         measured = run_side_by_side(args, setting, env, Path(tmp))
     text = (
         setting.caption.format(hidden=args.hidden, layers=args.layers)
-        + f"; {DATA.relative_to(ROOT)} ({measured['rows']} rows) as one-turn chats, the same tokens through the same chat template on both sides; "
+        + f"; the first {' and '.join(map(str, measured['rows']))} rows of {DATA.relative_to(ROOT)} as one-turn chats, the same tokens through the same chat template on both sides; "
         f"float32 model on the CPU, loss summed over the assistant turn's tokens; OMP_NUM_THREADS={args.threads}; "
         f"medians of {args.repeats} alternating fresh-process runs a tool, whole process (CPU: user + system of the process tree; peak RSS: its largest process)."
         + (
@@ -364,7 +421,13 @@ def main() -> None:
     )
     name = "peer_bergson" if args.model == "tiny" else f"peer_bergson.{args.model}"
     write_result(
-        name, text, tables(measured), args.out, bergson=version, runs=measured["runs"], stored=measured["stored"]
+        name,
+        text,
+        tables(measured, setting.batch),
+        args.out,
+        bergson=version,
+        runs=measured["runs"],
+        stored=measured["stored"],
     )
 
 
