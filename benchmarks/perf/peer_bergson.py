@@ -254,6 +254,10 @@ def run_side_by_side(args: argparse.Namespace, setting: Setting, env: Dict[str, 
     [measure]}, stored: {tool: what its first run at the most rows stored}, rows: [row counts]}."""
     tools = ["gradian"] if args.smoke else ["gradian", "bergson"]
     if args.model == "smollm2" and not args.smoke:
+        if not (SMOLLM2 / "model.safetensors").is_file():
+            raise SystemExit(
+                f"peer_bergson: error: SmolLM2 not found at {SMOLLM2}; save HuggingFaceTB/SmolLM2-135M-Instruct (model and tokenizer, save_pretrained) there, or set GRADIAN_SMOLLM2 to a folder holding it"
+            )
         model_dir = SMOLLM2
     else:
         model_dir = make_tiny_model_dir(tmp / "model", args.hidden, args.layers)
