@@ -22,8 +22,8 @@ RECOMPUTE = ("mlp", "layers", "none")
 # Every decoder layer's MLP block, named by its role: the linear maps inside it are selected
 # (capture.py), whatever an architecture calls them. Measured best (benchmarks/RANKING.md).
 DEFAULT_MODULE_FILTER = ("mlp",)
-# auto: cosine on the index's rows; under the exact pass the inner product (the influence score of
-# full-space factors, which have no cosine; query/exact_scoring.py).
+# auto: cosine on the index's rows; under the exact pass what query/exact_scoring.py's estimator
+# says (with factors, a cosine is taken in the preconditioner's metric).
 SCORES = ("auto", "cosine", "inner")
 NORMALIZE = ("auto", "module", "row")
 # auto: fisher where the index kept the k²×k² second moments and counted at least k² rows, ekfac
@@ -172,7 +172,8 @@ class QuerySpec:
     top_k: rows kept per query, best first; "all" scores every row (what `gradian validate` needs).
     bottom_k: the most negative rows kept per query ("opponents"); 0 = none.
     score: "cosine", "inner" (dot product, after the preconditioner) or "auto": cosine on the
-        index's rows, inner under the exact pass (an influence score has no cosine).
+        index's rows; under the exact pass query/exact_scoring.py's choice (with factors, the
+        cosine is taken in the preconditioner's metric, a whitened cosine).
     normalize: what cosine scales to unit norm: "module" (each module's block), "row", or "auto":
         row where the preconditioner is fisher, module otherwise (query/precondition.py: why).
     precondition: "auto", "none", "diag", "fisher" or "ekfac" on the index's rows
@@ -273,12 +274,6 @@ class QuerySpec:
             "query.precondition",
             self.precondition,
             f"{' or '.join(EXACT_PRECONDITIONS)} under query.method=exact (diag and fisher precondition the index's projected rows: set query.method=index for them)",
-        )
-        check(
-            not (self.score == "cosine" and self.precondition != "none"),
-            "query.score",
-            self.score,
-            f"inner or auto with query.precondition={self.precondition} under query.method=exact (an influence score has no cosine), or query.precondition=none for the whole-row cosine",
         )
         check(
             self.normalize != "module",

@@ -17,7 +17,7 @@ from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.factors import fit_factors
 from gradian_lightning.query.exact import ExactPass
-from gradian_lightning.query.exact_scoring import AUTO_HORIZON, exact_estimator
+from gradian_lightning.query.exact_scoring import AUTO_COSINE, AUTO_FACTORS, AUTO_HORIZON, exact_estimator
 from gradian_lightning.recipes import query as recipe
 from gradian_lightning.recipes.query import dense_scores, run_query
 
@@ -82,9 +82,10 @@ def _close(got, expected):
 CASES = [
     ({"precondition": "none", "score": "inner"}, {}),
     ({"precondition": "none", "score": "cosine"}, {"cosine": True}),
-    ({"precondition": "ekfac", "damping": 0.1}, {"kind": "ekfac", "damping": 0.1}),
-    ({"precondition": "kfac", "damping": 0.3, "horizon": 2.0}, {"kind": "kfac", "horizon": 2.0}),
-    ({}, {"kind": "ekfac", "horizon": AUTO_HORIZON}),  # auto: the defaults, score untouched
+    ({"precondition": "ekfac", "damping": 0.1, "score": "inner"}, {"kind": "ekfac", "damping": 0.1}),
+    ({"precondition": "kfac", "damping": 0.3, "horizon": 2.0, "score": "inner"}, {"kind": "kfac", "horizon": 2.0}),
+    ({"precondition": "ekfac", "damping": 0.1, "score": "cosine"}, {"kind": "ekfac", "damping": 0.1, "cosine": True}),
+    ({}, {"kind": AUTO_FACTORS, "horizon": AUTO_HORIZON, "cosine": AUTO_COSINE}),  # auto: the defaults
 ]
 
 
@@ -105,9 +106,9 @@ def test_dense_scores_and_gradian_query_equal_a_direct_exact_pass(tmp_path, save
         main(["query", *indexed, "query.method=exact", "query.top_k=3", "query.bottom_k=2", f"query.output={out}"]) == 0
     )
     printed = capsys.readouterr().out
-    scoring = f"exact pass: full-space EK-FAC approximate unrolling, horizon {AUTO_HORIZON:g}"
-    assert scoring in printed
-    expected = reference(saved_model, kind="ekfac", horizon=AUTO_HORIZON)
+    scoring = exact_estimator(QuerySpec(method="exact")).describe()
+    assert scoring.startswith("exact pass: full-space") and scoring in printed
+    expected = reference(saved_model, kind=AUTO_FACTORS, horizon=AUTO_HORIZON, cosine=AUTO_COSINE)
     for q, line in enumerate(out.read_text().splitlines()):
         entry = json.loads(line)
         assert entry["query_id"] == QUERIES[q]["id"] and entry["scoring"] == scoring
@@ -125,7 +126,9 @@ def test_dense_scores_and_gradian_query_equal_a_direct_exact_pass(tmp_path, save
 def test_rows_the_index_never_ranks_are_nan_and_left_out_of_the_fit(tmp_path, saved_model, indexed):
     zarr.open_group(str(tmp_path / "ix"), mode="r+")["complete"][2] = False  # as if row 2 were never written
     cfg = load_config(None, indexed)
-    (got,) = dense_scores(cfg, [QuerySpec(method="exact", precondition="ekfac", damping=0.1, top_k="all")])
+    (got,) = dense_scores(
+        cfg, [QuerySpec(method="exact", precondition="ekfac", damping=0.1, score="inner", top_k="all")]
+    )
     assert np.isnan(got[:, 2]).all() and np.isfinite(np.delete(got, 2, axis=1)).all()
     kept = [r for i, r in enumerate(ROWS) if i != 2]
     _close(np.delete(got, 2, axis=1), reference(saved_model, kind="ekfac", train=kept))
@@ -146,14 +149,28 @@ def test_two_checkpoints_sum_with_their_learning_rate_weights(tmp_path, saved_mo
     root.attrs["gradian"] = attrs
     assert [e["lr"] for e in open_index(tmp_path / "ix").checkpoints] == [1.0, 3.0]
     cfg = load_config(None, common)
-    spec = QuerySpec(method="exact", precondition="ekfac", damping=0.1, checkpoints="all", top_k="all")
+    spec = QuerySpec(method="exact", precondition="ekfac", damping=0.1, score="inner", checkpoints="all", top_k="all")
     (got,) = dense_scores(cfg, [spec])
     base, fine = reference(saved_model, kind="ekfac"), reference(tuned, kind="ekfac")
     _close(got, 0.25 * base + 0.75 * fine)
-    (last,) = dense_scores(cfg, [QuerySpec(method="exact", precondition="ekfac", damping=0.1, checkpoints="last")])
+    (last,) = dense_scores(
+        cfg, [QuerySpec(method="exact", precondition="ekfac", damping=0.1, score="inner", checkpoints="last")]
+    )
     _close(last, fine)
     capsys.readouterr()
-    assert main(["query", *common, "query.method=exact", "query.precondition=ekfac", "query.damping=0.1"]) == 0
+    assert (
+        main(
+            [
+                "query",
+                *common,
+                "query.method=exact",
+                "query.precondition=ekfac",
+                "query.damping=0.1",
+                "query.score=inner",
+            ]
+        )
+        == 0
+    )
     assert (
         "exact pass: full-space EK-FAC influence, damping 0.1, summed over 2 checkpoints weighted by learning rate"
         in capsys.readouterr().out
@@ -164,7 +181,7 @@ def test_fitted_factors_are_kept_in_the_index_and_a_half_written_set_is_refitted
     tmp_path, saved_model, indexed, monkeypatch
 ):
     cfg = load_config(None, indexed)
-    spec = QuerySpec(method="exact", precondition="ekfac", damping=0.1, top_k="all")
+    spec = QuerySpec(method="exact", precondition="ekfac", damping=0.1, score="inner", top_k="all")
     real, fits = recipe.fit_factors, []
 
     def counted(*args, **kwargs):
@@ -226,8 +243,6 @@ def test_validate_reports_an_exact_scorer(tmp_path, saved_model, indexed, capsys
         (["query.precondition=kfac"], "query.precondition"),  # under method=index
         (["query.method=exact", "query.precondition=fisher"], "query.precondition"),
         (["query.method=exact", "query.precondition=diag"], "query.precondition"),
-        (["query.method=exact", "query.score=cosine"], "query.score"),
-        (["query.method=exact", "query.precondition=ekfac", "query.score=cosine"], "query.score"),
         (["query.method=exact", "query.normalize=module"], "query.normalize"),
         (["query.method=exact", "query.precondition=none", "query.horizon=1"], "query.horizon"),
         (["query.method=exact", "query.search=ann"], "query.search"),
@@ -246,7 +261,8 @@ def test_the_estimator_is_resolved_in_one_place():
     assert exact_estimator(QuerySpec(method="exact")).horizon == AUTO_HORIZON
     assert exact_estimator(QuerySpec(method="exact", horizon=None)).horizon is None  # auto's kind, as influence
     assert exact_estimator(QuerySpec(method="exact", precondition="ekfac")).horizon is None
-    assert exact_estimator(QuerySpec(method="exact", precondition="none", score="auto")).cosine is False
+    assert exact_estimator(QuerySpec(method="exact", precondition="none", score="auto")).cosine is AUTO_COSINE
+    assert exact_estimator(QuerySpec(method="exact", precondition="ekfac", score="inner")).cosine is False
     assert QuerySpec(method="exact", precondition="kfac", damping=0.1)  # kfac is allowed under exact
 
 
@@ -269,7 +285,7 @@ def test_queries_past_the_memory_budget_are_scored_in_several_passes(tmp_path, s
     import gradian_lightning.query.exact_scoring as exact_scoring
 
     cfg = load_config(None, indexed)
-    spec = QuerySpec(method="exact", precondition="ekfac", damping=0.1, top_k="all")
+    spec = QuerySpec(method="exact", precondition="ekfac", damping=0.1, score="inner", top_k="all")
     (together,) = dense_scores(cfg, [spec])
     passes = []
     real = exact_scoring.ExactPass
@@ -292,7 +308,7 @@ def test_an_index_that_cannot_keep_its_factors_warns_and_scores_the_same(tmp_pat
     monkeypatch.setattr(recipe, "write_factor_set", read_only)
     cfg = load_config(None, indexed)
     with pytest.warns(UserWarning, match="the fitted factors could not be kept in the index at .*fits them again"):
-        (got,) = dense_scores(cfg, [QuerySpec(method="exact", precondition="kfac", damping=0.1)])
+        (got,) = dense_scores(cfg, [QuerySpec(method="exact", precondition="kfac", damping=0.1, score="inner")])
     _close(got, reference(saved_model, kind="kfac", damping=0.1))
 
 

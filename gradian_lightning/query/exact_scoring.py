@@ -35,6 +35,7 @@ from gradian_lightning.specs import MEMORY_SETTINGS, IndexSpec, QuerySpec, field
 # the influence function (long ones). A placeholder value: change it, and only it, here.
 AUTO_FACTORS = "ekfac"
 AUTO_HORIZON = 3.0
+AUTO_COSINE = True  # query.score=auto: each checkpoint's scores as a cosine in the factors' metric
 # Bytes of query directions (one [out, in] matrix per module and query) one pass over the training
 # rows holds: more queries than fit are scored in several passes.
 QUERY_BYTES = 2**31
@@ -44,7 +45,7 @@ FACTOR_SET_FORMAT = 1  # bump when what a factor set holds changes: older sets a
 @dataclass(frozen=True)
 class ExactEstimator:
     """What the exact pass computes. factors: None (no preconditioning), "kfac" or "ekfac";
-    cosine: whole-row cosine (no factors only); damping: λ as a fraction of each module's mean
+    cosine: whole-row cosine, in the factors' metric ⟨g, f(H) g⟩ where there are factors; damping: λ as a fraction of each module's mean
     eigenvalue (influence function only); horizon: None for the influence function, else
     approximate unrolling over it."""
 
@@ -59,9 +60,10 @@ class ExactEstimator:
         if self.factors is None:
             return f"exact pass: full-space {'whole-row cosine' if self.cosine else 'inner product'}"
         name = {"kfac": "K-FAC", "ekfac": "EK-FAC"}[self.factors]
+        cosine = ", whitened cosine" if self.cosine else ""
         if self.horizon is None:
-            return f"exact pass: full-space {name} influence, damping {self.damping:g}"
-        return f"exact pass: full-space {name} approximate unrolling, horizon {self.horizon:g}"
+            return f"exact pass: full-space {name} influence, damping {self.damping:g}{cosine}"
+        return f"exact pass: full-space {name} approximate unrolling, horizon {self.horizon:g}{cosine}"
 
 
 def exact_estimator(spec: QuerySpec) -> ExactEstimator:
@@ -69,15 +71,17 @@ def exact_estimator(spec: QuerySpec) -> ExactEstimator:
 
     precondition=auto: `AUTO_FACTORS` with `AUTO_HORIZON`, or with the horizon given; kfac and
     ekfac: the influence function at query.damping unless a horizon is given; none: the inner
-    product, or the whole-row cosine for query.score=cosine. score=auto is the inner product."""
+    product, or the whole-row cosine for query.score=cosine. score=auto: cosine if `AUTO_COSINE`
+    (in the factors' metric where there are factors), else the inner product."""
     horizon = None if spec.horizon == "auto" else spec.horizon
+    cosine = spec.score == "cosine" or (spec.score == "auto" and AUTO_COSINE)
     if spec.precondition == "none":
-        return ExactEstimator(None, spec.score == "cosine", float(spec.damping), None)
+        return ExactEstimator(None, cosine, float(spec.damping), None)
     if spec.precondition == "auto":
         return ExactEstimator(
-            AUTO_FACTORS, False, float(spec.damping), AUTO_HORIZON if spec.horizon == "auto" else horizon
+            AUTO_FACTORS, cosine, float(spec.damping), AUTO_HORIZON if spec.horizon == "auto" else horizon
         )
-    return ExactEstimator(spec.precondition, False, float(spec.damping), None if horizon is None else float(horizon))
+    return ExactEstimator(spec.precondition, cosine, float(spec.damping), None if horizon is None else float(horizon))
 
 
 def exact_modules(
