@@ -31,7 +31,14 @@ NORMALIZE = ("auto", "module", "row")
 PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac", "kfac")
 # index: score the stored projected rows (fast, any N); exact: re-read every training row and score
 # it against full-space query gradients (query/exact.py, query/exact_scoring.py).
-METHODS = ("index", "exact")
+# auto: exact while the training rows' supervised tokens, times the checkpoints summed, are within
+# query.exact_max_tokens (and nothing asks for the index path), index past it (query/exact_scoring.py).
+METHODS = ("auto", "index", "exact")
+# query.exact_max_tokens' default: 20,000 supervised tokens x checkpoints, about 30 CPU-minutes of
+# the exact pass on SmolLM2-135M's MLP at one thread (benchmarks/RESULTS.md §13: ~90 ms a token and
+# checkpoint for the fit and one scoring pass, plus ~100 s of eigendecompositions a checkpoint),
+# seconds to minutes on a GPU; the tiny test models take milliseconds.
+EXACT_MAX_TOKENS = 20_000
 # What each method can precondition with: the index's row statistics, or full-space factors.
 INDEX_PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
 EXACT_PRECONDITIONS = ("auto", "none", "kfac", "ekfac")
@@ -39,6 +46,10 @@ EXACT_PRECONDITIONS = ("auto", "none", "kfac", "ekfac")
 # measured row count (query/ann.py).
 SEARCHES = ("exact", "ann", "auto")
 DEFAULT_DAMPING = 1.0
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def is_int(value: Any) -> bool:
@@ -188,8 +199,11 @@ class QuerySpec:
     ann_sketch_dim: width the rows as compared are count-sketched to before FAISS indexes them
         (wider rows only).
     ann_shard_rows: rows per ANN shard, each one FAISS index built and searched on its own.
-    method: "index" (score the stored projected rows) or "exact" (re-read every training row and
-        score it against full-space query gradients: query/exact_scoring.py).
+    method: "index" (score the stored projected rows), "exact" (re-read every training row and
+        score it against full-space query gradients: query/exact_scoring.py) or "auto": exact while
+        the index's supervised tokens times the checkpoints summed are at most `exact_max_tokens`.
+    exact_max_tokens: method=auto's budget for the exact pass, in supervised training tokens times
+        checkpoints (its cost grows with them: about four capture passes over the data per checkpoint).
     horizon: the exact pass's factors as approximate unrolling over a training time h >= 0 (in
         units of 1 / the mean eigenvalue), null for the influence function (H + λI)⁻¹ at
         `damping`, or "auto": what precondition=auto chooses, the influence function otherwise.
@@ -207,8 +221,9 @@ class QuerySpec:
     ann_nprobe: int = 32
     ann_sketch_dim: int = 512
     ann_shard_rows: int = 1_000_000
-    method: str = "index"
+    method: str = "auto"
     horizon: Any = "auto"
+    exact_max_tokens: int = EXACT_MAX_TOKENS
 
     def __post_init__(self) -> None:
         steps = plain(self.checkpoints)
@@ -244,11 +259,28 @@ class QuerySpec:
             check(is_int(value) and value >= 1, f"query.{key}", value, "an integer >= 1")
         self._check_method()
 
+    def forced_method(self) -> Optional[str]:
+        """Under method=auto, the method a setting only one of them has asks for: "index" for diag,
+        fisher, module cosine or the ANN search, else "exact" for kfac or a horizon number; else None."""
+        if self.precondition in ("diag", "fisher") or self.normalize == "module" or self.search == "ann":
+            return "index"
+        if self.precondition == "kfac" or (is_number(self.horizon) and self.precondition != "none"):
+            return "exact"
+        return None
+
     def _check_method(self) -> None:
         """The settings that depend on query.method: each refused in one line naming the fix."""
-        method, horizon = self.method, self.horizon
-        check(method in METHODS, "query.method", method, " or ".join(METHODS))
-        number = isinstance(horizon, (int, float)) and not isinstance(horizon, bool)
+        check(self.method in METHODS, "query.method", self.method, " or ".join(METHODS))
+        check(
+            is_int(self.exact_max_tokens) and self.exact_max_tokens >= 0,
+            "query.exact_max_tokens",
+            self.exact_max_tokens,
+            f"an integer >= 0 (supervised training tokens times checkpoints; {EXACT_MAX_TOKENS} is the default)",
+        )
+        # auto's settings must make sense for the method they ask for (index where none asks).
+        method = (self.forced_method() or "index") if self.method == "auto" else self.method
+        horizon = self.horizon
+        number = is_number(horizon)
         check(
             horizon in ("auto", None) or (number and horizon >= 0),
             "query.horizon",

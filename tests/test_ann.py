@@ -228,6 +228,7 @@ def test_gradian_query_with_search_ann_answers_like_the_exact_scan(tmp_path, sav
                 "query.top_k=5",
                 "query.bottom_k=2",
                 f"query.search={search}",
+                "query.method=index",  # the stored rows' scan and ANN search, not the exact pass
             )
         )
         for search in ("exact", "ann")

@@ -190,6 +190,7 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
                 *common,
                 f"query.data={queries}",
                 "query.checkpoints=all",
+                "query.method=index",
                 f"query.output={tmp_path / 'all.jsonl'}",
                 f"query.top_k={len(rows)}",
             ]

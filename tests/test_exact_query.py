@@ -97,7 +97,7 @@ def test_dense_scores_and_gradian_query_equal_a_direct_exact_pass(tmp_path, save
         assert matrix.shape == (len(QUERIES), len(ROWS)) and matrix.dtype == np.float32
         _close(matrix, reference(saved_model, **expected))
     # The index path is unchanged beside them, in the same call.
-    index_path = dense_scores(cfg, [QuerySpec(score="inner", precondition="none", top_k="all")])[0]
+    index_path = dense_scores(cfg, [QuerySpec(method="index", score="inner", precondition="none", top_k="all")])[0]
     assert not np.allclose(index_path, got[0], rtol=1e-3)  # projected at k = 4: not the exact scores
 
     # gradian query with the defaults and query.method=exact: the top and bottom rows of the same scores.
@@ -239,8 +239,10 @@ def test_validate_reports_an_exact_scorer(tmp_path, saved_model, indexed, capsys
     [
         (["query.method=exhaustive"], "query.method"),
         (["query.horizon=-1"], "query.horizon"),
-        (["query.horizon=2"], "query.horizon"),  # under method=index
-        (["query.precondition=kfac"], "query.precondition"),  # under method=index
+        (["query.method=index", "query.horizon=2"], "query.horizon"),
+        (["query.method=index", "query.precondition=kfac"], "query.precondition"),
+        (["query.horizon=2", "query.precondition=fisher"], "query.horizon"),  # auto: fisher asks for the index
+        (["query.exact_max_tokens=-1"], "query.exact_max_tokens"),
         (["query.method=exact", "query.precondition=fisher"], "query.precondition"),
         (["query.method=exact", "query.precondition=diag"], "query.precondition"),
         (["query.method=exact", "query.normalize=module"], "query.normalize"),

@@ -22,6 +22,7 @@ GRADS = [
     "grads.module_filter=[down_proj,o_proj]",
     "trainer.accelerator=cpu",
     "trainer.enable_progress_bar=false",
+    "query.method=index",  # these tests check the stored rows' checkpoint sums
 ]
 
 

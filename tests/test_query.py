@@ -226,6 +226,7 @@ def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, c
         "trainer.accelerator=cpu",
         "grads.projection_dim=8",
         "grads.module_filter=[down_proj,q_proj]",
+        "query.method=index",  # the stored rows, as the summary line below names them
     ]
     assert (
         main(["index", *common, f"data.train={train}", "grads.batch_size=3", "trainer.enable_progress_bar=false"]) == 0
@@ -270,7 +271,12 @@ def test_gradian_query_end_to_end_on_a_saved_tiny_model(tmp_path, saved_model, c
     assert "setting 'query.data' is required" in capsys.readouterr().err
     # Without any grads.* setting the query reads the index's stored spec (k = 8, the index's
     # modules): the same results as with them repeated.
-    bare = [f"model.name_or_path={saved_model}", f"index.path={tmp_path / 'ix'}", "trainer.accelerator=cpu"]
+    bare = [
+        f"model.name_or_path={saved_model}",
+        f"index.path={tmp_path / 'ix'}",
+        "trainer.accelerator=cpu",
+        "query.method=index",
+    ]
     again = tmp_path / "out" / "bare.jsonl"
     args = [f"query.data={train}", "query.top_k=3", "query.bottom_k=2", f"query.output={again}"]
     assert main(["query", *bare, *args]) == 0

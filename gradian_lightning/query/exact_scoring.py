@@ -84,6 +84,32 @@ def exact_estimator(spec: QuerySpec) -> ExactEstimator:
     return ExactEstimator(spec.precondition, cosine, float(spec.damping), None if horizon is None else float(horizon))
 
 
+def resolve_method(
+    spec: QuerySpec, index: IndexReader, checkpoints: int, why_not_exact: Optional[str] = None
+) -> Tuple[QuerySpec, str]:
+    """query.method=auto made concrete, and a line saying why (empty for an explicit method).
+
+    A setting only one method has decides (`QuerySpec.forced_method`); else the exact pass while
+    the index's supervised tokens (rows the query can rank) times `checkpoints` are within
+    `spec.exact_max_tokens`, and the index path past that or where `why_not_exact` (the training
+    data is gone or changed, a Dask engine or token scores were asked for) says it cannot run."""
+    if spec.method != "auto":
+        return spec, ""
+    forced = spec.forced_method()
+    if forced is not None:
+        return replace(spec, method=forced), f"query.method=auto: {forced} (asked for by the query.* settings)"
+    tokens = int(index.column("supervised_tokens")[index.rankable(0, len(index))].sum()) * checkpoints
+    if tokens > spec.exact_max_tokens:
+        return replace(spec, method="index"), (
+            f"query.method=auto: index ({tokens:,} supervised tokens x checkpoints, above query.exact_max_tokens={spec.exact_max_tokens:,})"
+        )
+    if why_not_exact:
+        return replace(spec, method="index"), f"query.method=auto: index (the exact pass cannot run: {why_not_exact})"
+    return replace(spec, method="exact"), (
+        f"query.method=auto: exact ({tokens:,} supervised tokens x checkpoints, within query.exact_max_tokens={spec.exact_max_tokens:,})"
+    )
+
+
 def exact_modules(
     index: IndexReader, model: nn.Module, settings: Optional[IndexSpec] = None, given: Optional[Collection[str]] = None
 ) -> Tuple[Dict[str, nn.Module], IndexSpec]:

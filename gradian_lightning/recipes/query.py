@@ -39,6 +39,7 @@ from gradian_lightning.query.exact_scoring import (
     factor_set_key,
     factor_set_name,
     factors_from_arrays,
+    resolve_method,
 )
 from gradian_lightning.query.rows import check_matches_index, query_gradients, tokenized_queries
 from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
@@ -341,6 +342,22 @@ def _factors(
     return factors
 
 
+def resolve_scoring(cfg: Any, index: Index, q: QuerySpec, train: Any = None) -> Tuple[QuerySpec, str]:
+    """`q` with query.method=auto made concrete for this index (`resolve_method`), and the line
+    saying what auto chose and why ("" for an explicit method)."""
+    if q.method != "auto":
+        return q, ""
+    why = None
+    if cfg.query.engine == "dask":
+        why = "query.engine=dask scores the stored rows"
+    elif cfg.query.token_scores:
+        why = "query.token_scores=true explains the stored rows' scores"
+    else:
+        rows, reason = indexed_rows(index.meta.data_segments(), Fields.from_config(cfg.data), train)
+        why = reason if rows is None else None
+    return resolve_method(q, index.reader, len(checkpoint_weights(index.checkpoints, q.checkpoints)), why)
+
+
 def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
     """Float32 [Q, N] per entry of `scorings`: every query of `cfg.query.data` against every row of
     the index (`score_all`; NaN for rows never ranked). The query rows are made once, at every
@@ -349,6 +366,7 @@ def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
     require(cfg, "model.name_or_path", "query.data")
     index, spec, given = open_for_query(cfg)
     queries = read_queries(cfg)
+    scorings = [resolve_scoring(cfg, index, q)[0] for q in scorings]
     stored = [q for q in scorings if q.method == "index"]
     made = None
     if stored:
@@ -411,7 +429,7 @@ def _answer(
     client: Optional[Any],
     train: Any = None,
 ) -> Dict[str, Any]:
-    q = QuerySpec.from_config(cfg.query)
+    q, chosen_by_auto = resolve_scoring(cfg, index, QuerySpec.from_config(cfg.query), train)
     which = q.checkpoints
     chosen = len(checkpoint_weights(index.checkpoints, which))
     if client is not None and chosen > 1:
@@ -443,6 +461,8 @@ def _answer(
                 f"; exact scores of {q.ann_candidates} ANN candidates per shard and query (query.search={q.search})"
             )
         where = f"Dask scheduler {client.scheduler.address}" if client is not None else str(made.device)
+    if chosen_by_auto:
+        scoring += f" ({chosen_by_auto})"
     query_ids = [str(row.get("id", i)) for i, row in enumerate(queries)]
     results = results_for(index, query_ids, top, bottom)
     for entry in results:

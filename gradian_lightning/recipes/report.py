@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -162,6 +163,8 @@ def run_report(cfg: Any) -> Path:
             f"gradian report shows the training rows the index at {str(index.path)!r} was built from, and {why}; restore that data, then rerun gradian report"
         )
     q = QuerySpec.from_config(cfg.query)
+    if q.method == "auto":  # as the query that wrote these results chose: its scoring line says which
+        q = replace(q, method="exact" if str(results[0].get("scoring", "")).startswith("exact pass") else "index")
     if q.method == "exact":  # every row's score by the exact pass; token terms are the index path's
         exact = exact_dense_scores(cfg, index, queries, spec, given, q)
         scores, scoring = exact.scores, exact.scoring
