@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         default=[],
         help="more scorers for the projected indexes, a JSON list of query.* overrides, e.g. '[{\"damping\": 3}]'",
     )
+    parser.add_argument("--seeds", type=int, nargs="+", help="projection draws (default: 0-2; SmolLM2 0-4)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, not the figures")
     parser.add_argument(
         "--work", type=Path, help="models, indexes and retrained subsets (default /tmp/gradian-lds-sets/NAME)"
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     spec = spec_for(args.kind, args.rows or DEFAULT_ROWS[args.kind], args.smoke)
     if args.formats:
         spec.formats = args.formats
+    if args.seeds:
+        spec.seeds = args.seeds
     spec.extra_scorers = args.scorers
     if args.learning_rate is not None:
         spec.learning_rate, spec.variant = args.learning_rate, f"-lr{args.learning_rate:g}"

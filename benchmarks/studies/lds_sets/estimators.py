@@ -1,0 +1,420 @@
+"""The field's estimators computed exactly on an LDS set, as references for issue 41: exact inner
+product and whole-row cosine, full-space K-FAC and EK-FAC influence, and approximate unrolling
+over a range of horizons, at the fine-tuned checkpoint and summed over base + fine-tuned; each
+one's raw and centred LDS against the set's retrained subsets, and planted-source retrieval.
+
+Run after `benchmarks.studies.lds_sets.run KIND` has made the set's work folder (models, rows,
+`gradian validate`'s retrained subsets):
+
+    PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators facts-N256
+    PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators smollm2-N80 --group-layers 2
+
+Independent of the package's gradient code (as benchmarks/studies/reference.py): forward hooks on
+the selected nn.Linear modules keep each input x_t, a tensor hook its output-gradient δ_t, for each
+row's summed supervised-token cross-entropy; a row's weight gradient is G_n = Σ_t δ_tᵀ x_t [out, in].
+Per module, with A = Σ x xᵀ / positions (the positions at or before the row's last supervised
+one) and G = Σ_n Σ_t δ δᵀ / examples, their eigenbases Q_A, Q_G and a row's rotated gradient
+G̃_n = Q_Gᵀ G_n Q_A, every estimator here is Σ_modules Σ_{o,i} w(E)[o,i] G̃_q[o,i] G̃_n[o,i]:
+
+    inner              w = 1
+    kfac d / ekfac d   w = 1 / (E + d · mean E), E = λ_G ⊗ λ_A (K-FAC) or mean_n G̃_n² (EK-FAC)
+    ... unroll h       w = Ē (1 - exp(-h E / Ē)) / E, Ē the mean of E over every module
+
+Modules are processed a group of layers at a time (every row's G̃_n of a group in memory), so
+SmolLM2's whole MLP fits: one forward + backward of every row per group and checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.studies.lds_sets.common import bm25, lds_figures, retrieval
+from gradian_lightning import JsonlDataset, collate, read_jsonl
+from gradian_lightning.config import load_config
+from gradian_lightning.hub import load_model_and_tokenizer
+from gradian_lightning.validation.lds import (
+    centred_over_queries,
+    linear_datamodeling_score,
+    mean_and_standard_error,
+    shared_variance_share,
+    spearman,
+)
+from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
+
+HERE = Path(__file__).resolve().parent
+MLP = ("gate_proj", "up_proj", "down_proj")
+DAMPINGS = (0.01, 0.1, 1.0)
+# How the two checkpoints' scores combine (`combined` in main).
+CASES = ("ft", "ft cos", "base+ft", "base+ft qn", "base+ft cos")
+HORIZONS = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 1000.0)
+
+
+def estimators() -> List[str]:
+    names = ["inner"]  # with case "... cos": the whole-row cosine
+    for kind in ("kfac", "ekfac"):
+        names += [f"{kind} d={d:g}" for d in DAMPINGS] + [f"{kind} unroll h={h:g}" for h in HORIZONS]
+    return names
+
+
+def batches(rows: List[Dict], tokenizer, max_seq_length: int, batch_size: int):
+    dataset = JsonlDataset(rows, tokenizer, max_seq_length)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for lo in range(0, len(dataset), batch_size):
+        yield collate([dataset[i] for i in range(lo, min(lo + batch_size, len(dataset)))], pad_token_id=pad)
+
+
+def carrying(batch) -> torch.Tensor:
+    """Bool [B, T]: attended positions at or before the row's last supervised one (t with labels[t+1] set)."""
+    keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    keep[:, :-1] = batch["labels"][:, 1:] != -100
+    steps = torch.arange(1, keep.shape[1] + 1)
+    last = (keep * steps).amax(dim=1)
+    return (steps[None, :] <= last[:, None]) & batch["attention_mask"].bool()
+
+
+def token_grads(model, modules: Dict[str, torch.nn.Linear], batch, dtype):
+    """{name: (x [B, T, in], δ [B, T, out])} of one batch, x zero outside `carrying`."""
+    inputs, outputs = {}, {}
+
+    def keep(name, args, output):
+        inputs[name], outputs[name] = args[0].detach(), output
+
+    hooks = [m.register_forward_hook(lambda _, a, o, n=n: keep(n, a, o)) for n, m in modules.items()]
+    try:
+        with torch.enable_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = F.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
+            )
+            grads = torch.autograd.grad(loss, [outputs[n] for n in modules])
+    finally:
+        for h in hooks:
+            h.remove()
+    mask = carrying(batch)[..., None].to(dtype)
+    return {n: (inputs[n].to(dtype) * mask, g.to(dtype) * mask) for n, g in zip(modules, grads)}
+
+
+def scores_at(model, tokenizer, train, queries, spec: Dict, group_layers: int, dtype) -> Dict[str, np.ndarray]:
+    """Every estimator's [Q, N] scores at one model (module docstring)."""
+    model.eval()
+    modules = {
+        n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in MLP
+    }
+    length, size = spec["max_seq_length"], 8
+    # Pass 1, every module: A and G sums, positions, examples, Σ_n ‖G_n‖² (the EK-FAC eigenvalues' total).
+    a_sum = {n: 0 for n in modules}
+    g_sum = {n: 0 for n in modules}
+    norm_sum = {n: 0.0 for n in modules}
+    positions = examples = 0
+    for batch in batches(train, tokenizer, length, size):
+        keep = carrying(batch)
+        positions += int(keep.sum())
+        examples += int((batch["labels"][:, 1:] != -100).any(1).sum())
+        for n, (x, g) in token_grads(model, modules, batch, dtype).items():
+            a_sum[n] = a_sum[n] + torch.einsum("bti,btj->ij", x, x)
+            g_sum[n] = g_sum[n] + torch.einsum("bto,btp->op", g, g)
+            norm_sum[n] += float((torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum())
+    bases = {}
+    for n in modules:
+        lam_a, q_a = torch.linalg.eigh(a_sum[n].double() / positions)
+        lam_g, q_g = torch.linalg.eigh(g_sum[n].double() / examples)
+        bases[n] = (q_a.to(dtype), lam_a.clamp_min(0).to(dtype), q_g.to(dtype), lam_g.clamp_min(0).to(dtype))
+    del a_sum, g_sum
+    count = sum(m.weight.numel() for m in modules.values())
+    mean_e = {
+        "kfac": sum(float(b[1].sum() * b[3].sum()) for b in bases.values()) / count,
+        "ekfac": sum(norm_sum.values()) / examples / count,  # Σ_oi Λ = mean_n ‖G̃_n‖² = mean_n ‖G_n‖²
+    }
+    names = estimators()
+    out = {e: 0.0 for e in names}
+    q_norm: Dict[str, torch.Tensor] = {}
+    n_norm: Dict[str, torch.Tensor] = {}
+    layers = sorted({int(n.split(".layers.")[1].split(".")[0]) for n in modules})
+    for lo in range(0, len(layers), group_layers):
+        chosen = set(layers[lo : lo + group_layers])
+        group = {n: m for n, m in modules.items() if int(n.split(".layers.")[1].split(".")[0]) in chosen}
+        rotated: Dict[str, List[torch.Tensor]] = {n: [] for n in group}
+        for rows, label in ((train, "train"), (queries, "query")):
+            for batch in batches(rows, tokenizer, length, size):
+                for n, (x, g) in token_grads(model, group, batch, dtype).items():
+                    q_a, _, q_g, _ = bases[n]
+                    rotated[n].append((label, torch.bmm((g @ q_g).transpose(1, 2), x @ q_a)))
+        for n in group:
+            tr = torch.cat([r for label, r in rotated[n] if label == "train"]).flatten(1)  # [N, out·in]
+            qu = torch.cat([r for label, r in rotated[n] if label == "query"]).flatten(1)  # [Q, out·in]
+            rotated[n] = []
+            _, lam_a, _, lam_g = bases[n]
+            eig = {"kfac": torch.outer(lam_g, lam_a).flatten(), "ekfac": tr.square().sum(0) / examples}
+            weights = {"inner": torch.ones_like(eig["kfac"])}
+            for kind, e in eig.items():
+                for d in DAMPINGS:
+                    weights[f"{kind} d={d:g}"] = 1 / (e + d * e.mean())
+                scaled = e / mean_e[kind]
+                for h in HORIZONS:
+                    w = -torch.expm1(-h * scaled) / scaled.clamp_min(torch.finfo(dtype).tiny)
+                    weights[f"{kind} unroll h={h:g}"] = torch.where(scaled > 0, w, torch.full_like(w, h))
+            keys = list(weights)
+            stacked = torch.stack([qu * weights[k] for k in keys])  # [E, Q, D]
+            block = (stacked.flatten(0, 1) @ tr.T).view(len(keys), qu.shape[0], tr.shape[0])
+            metric = torch.stack([weights[k] for k in keys]).T  # [D, E]
+            q_squared, n_squared = qu.square() @ metric, tr.square() @ metric  # [Q, E], [N, E]
+            for i, (k, s) in enumerate(zip(keys, block)):
+                out[k] = out[k] + s.double()
+                q_norm[k] = q_norm.get(k, 0) + q_squared[:, i].double()
+                n_norm[k] = n_norm.get(k, 0) + n_squared[:, i].double()
+            del tr, qu, stacked, block, metric
+    # Each estimator's squared norms in its own metric w: ‖g_q‖²_w [Q] and ‖g_n‖²_w [N].
+    norms = {k: (q_norm[k].numpy(), n_norm[k].numpy()) for k in out}
+    return {k: v.numpy() for k, v in out.items()}, norms, mean_e
+
+
+def per_query(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, List[float]]:
+    return {
+        "raw": linear_datamodeling_score(scores, subsets, outputs).tolist(),
+        "centred": linear_datamodeling_score(scores, subsets, outputs, centred=True).tolist(),
+    }
+
+
+def is_reference(entry: Dict) -> bool:
+    """The field's estimators as issue 41 names them: exact inner product and whole-row cosine, and
+    full-space K-FAC and EK-FAC influence at each damping, at the fine-tune alone and summed."""
+    if entry["estimator"] == "inner":
+        return entry["case"] in ("ft", "ft cos", "base+ft", "base+ft cos")
+    return " d=" in entry["estimator"] and entry["case"] in ("ft", "base+ft")
+
+
+def best_reference(result: Dict) -> Dict:
+    return max((e for e in result["entries"] if is_reference(e)), key=lambda e: e["lds"])
+
+
+def worst_set_table(results: List[Dict], top: int = 12, always: Sequence[tuple] = ()) -> str:
+    """Every (case, estimator) by its worst share of each set's best reference (raw LDS)."""
+    left_out = [r["set"] for r in results if not raw_ceiling_above_zero(r)]
+    results = [r for r in results if r["set"] not in left_out]
+    common = set.intersection(*({(e["case"], e["estimator"]) for e in r["entries"]} for r in results))
+    keys = [(e["case"], e["estimator"]) for e in results[0]["entries"] if (e["case"], e["estimator"]) in common]
+    keys = [k for k in keys if k[1] != "BM25"]
+    best = {r["set"]: best_reference(r) for r in results}
+    rows = []
+    for key in keys:
+        shares = {}
+        for r in results:
+            entry = next(e for e in r["entries"] if (e["case"], e["estimator"]) == key)
+            shares[r["set"]] = (entry["lds"] / best[r["set"]]["lds"], entry)
+        rows.append((min(v for v, _ in shares.values()), key, shares))
+    rows.sort(key=lambda x: -x[0])
+    chosen = rows[:top] + [r for r in rows[top:] if r[1] in always]
+    head = "| case | estimator | worst share | " + " | ".join(r["set"] for r in results) + " |"
+    lines = [head, "|---|---|---|" + "---|" * len(results)]
+    lines.append(
+        "| best reference | | | "
+        + " | ".join(f"{best[r['set']]['lds']:+.3f} ({best[r['set']]['case']}, {best[r['set']]['estimator']})" for r in results)
+        + " |"
+    )
+    lines.append(
+        "| BM25 | | | "
+        + " | ".join(f"{next(e for e in r['entries'] if e['estimator'] == 'BM25')['lds']:+.3f}" for r in results)
+        + " |"
+    )
+    for worst, (case, name), shares in chosen:
+        cells = [f"{e['lds']:+.3f} ({v:.2f})" for v, e in shares.values()]
+        lines.append(f"| {case} | {name} | {worst:.2f} | " + " | ".join(cells) + " |")
+    note = f"\nLeft out (raw noise ceiling within 2 standard errors of 0): {', '.join(left_out)}.\n" if left_out else ""
+    return "\n".join(lines) + "\n" + note
+
+
+def raw_ceiling_above_zero(result: Dict) -> bool:
+    ceiling = result.get("ceiling")
+    return bool(ceiling) and ceiling["lds"] > 2 * ceiling["standard_error"]
+
+
+def against_bm25(results: List[Dict], key: tuple) -> str:
+    """One (case, estimator) on every set: raw and centred LDS, its share of the set's best
+    reference, retrieval, and its raw LDS minus BM25's paired by query (mean ± standard error)."""
+    lines = [
+        "| set | raw LDS | share of best reference | centred LDS | R@10 | MRR | minus BM25 (paired) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        entry = next(e for e in r["entries"] if (e["case"], e["estimator"]) == key)
+        lexical = next(e for e in r["entries"] if e["estimator"] == "BM25")
+        diff = np.array(entry["per_query"]["raw"]) - np.array(lexical["per_query"]["raw"])
+        diff = diff[np.isfinite(diff)]
+        paired = f"{diff.mean():+.3f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.3f}" if len(diff) > 1 else "BM25 has no score"
+        share = entry["lds"] / best_reference(r)["lds"]
+        flag = "" if raw_ceiling_above_zero(r) else " (raw ceiling ≈ 0)"
+        lines.append(
+            f"| {r['set']}{flag} | {entry['lds']:+.3f} ± {entry['standard_error']:.3f} | {share:.2f} | "
+            f"{entry['centred_lds']:+.3f} ± {entry['centred_standard_error']:.3f} | {entry.get('recall@10', float('nan')):.2f} | "
+            f"{entry.get('mrr', float('nan')):.2f} | {paired} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def set_table(result: Dict, estimators_shown: Sequence[str]) -> str:
+    ceiling = result.get("ceiling")
+    lines = [
+        f"{result['set']}: {result['rows']} rows, {result['queries']} queries, {result['num_subsets']} subsets; "
+        f"{100 * result['shared_variance']:.0f}% of the loss variance shared; raw noise ceiling "
+        + (f"{ceiling['lds']:+.3f} ± {ceiling['standard_error']:.3f}" if ceiling else "not measured"),
+        "",
+        "| case | estimator | raw LDS | centred LDS | R@10 | MRR |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in result["entries"]:
+        if e["estimator"] in estimators_shown or e["estimator"] == "BM25":
+            recall = f"{e['recall@10']:.2f}" if "recall@10" in e else ""
+            mrr = f"{e['mrr']:.2f}" if "mrr" in e else ""
+            lines.append(
+                f"| {e['case']} | {e['estimator']} | {e['lds']:+.3f} ± {e['standard_error']:.3f} | "
+                f"{e['centred_lds']:+.3f} ± {e['centred_standard_error']:.3f} | {recall} | {mrr} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", nargs="?", help="the set's work folder name, e.g. facts-N256 (under --root)")
+    parser.add_argument("--root", type=Path, default=Path("/tmp/gradian-lds-sets"))
+    parser.add_argument("--results", type=Path, default=HERE / "estimators")
+    parser.add_argument("--group-layers", type=int, default=64, help="layers whose rows' gradients are held at once")
+    parser.add_argument("--float64", action="store_true", help="float64 arithmetic (the tiny sets)")
+    parser.add_argument("--scores-only", action="store_true", help="make and keep the scores; no LDS (subsets may still train)")
+    parser.add_argument(
+        "--epochs-between", type=int, nargs="*", default=[],
+        help="also score the fine-tune after these epochs (case 'all': base, these and ft summed)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--defaults", nargs="*", default=["base+ft cos:kfac d=0.1"], help="CASE:ESTIMATOR rows for --report's per-set table"
+    )
+    parser.add_argument("--report", action="store_true", help="print the tables of every result in --results")
+    args = parser.parse_args(argv)
+    if args.report:
+        results = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
+        shown = ["inner", "kfac d=0.1", "ekfac d=0.1", "kfac unroll h=1", "kfac unroll h=100", "ekfac unroll h=100"]
+        for result in results:
+            print(f"#### {result['set']}\n\n`{result['command']}`\n\n{set_table(result, shown)}")
+        print(f"#### Worst set\n\n{worst_set_table(results)}")
+        for key in args.defaults:
+            case, name = key.split(":")
+            print(f"#### {case}, {name} on every set\n\n{against_bm25(results, (case, name))}")
+        return 0
+    work = args.root / args.name
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    result = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+    if result.get("spec"):
+        spec = result["spec"]
+    else:  # the set still training: its spec as run.py makes it (NAME is KIND-N{rows}[variant])
+        from benchmarks.studies.lds_sets.run import spec_for
+
+        kind, rows = args.name.split("-N")[0], int(args.name.split("-N")[1].split("-")[0])
+        spec = spec_for(kind, rows, smoke=False).__dict__
+    train, queries = read_jsonl(work / "train.jsonl"), read_jsonl(work / "queries.jsonl")
+    ids = [r["id"] for r in train]
+    sources = [[ids.index(s) for s in q["sources"]] for q in queries] if all("sources" in q for q in queries) else None
+    base = Path(spec["base"]) if spec.get("base") else work / "base"
+    dtype = torch.float64 if args.float64 else torch.float32
+    per_checkpoint, norms, means = {}, {}, {}
+    checkpoints = [("base", base)]
+    for k in args.epochs_between:  # the fine-tune's own model after k of its epochs (constant-rate AdamW,
+        # one shuffling generator: the first k epochs of the full run), for the trajectory cases
+        path = work / f"ft-e{k}"
+        if not (path / "config.json").is_file():
+            from benchmarks.studies.lds_sets.common import SetSpec, train_and_save
+
+            model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={base}"]).model)
+            known = {k: v for k, v in spec.items() if k in SetSpec.__dataclass_fields__}
+            train_and_save(SetSpec(**known), model, tokenizer, train, k, path)
+        checkpoints.append((f"e{k}", path))
+    checkpoints.append(("ft", work / "ft"))
+    for label, path in checkpoints:
+        # The scores do not depend on the retrained subsets: kept, so they can be made while those train.
+        cache = work / f"estimator-scores-{label}-{str(dtype).split('.')[-1]}.pt"
+        if not cache.is_file():
+            model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={path}"]).model)
+            made = scores_at(model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype)
+            torch.save(made, cache)
+            print(f"{args.name}: {label} scored at {time.perf_counter() - started:.0f} s", flush=True)
+        per_checkpoint[label], norms[label], means[label] = torch.load(cache, weights_only=False)
+    if args.scores_only:
+        return 0
+
+    runs = SubsetRuns.existing(work / "runs")
+    subsets, outputs = runs.subsets, -runs.losses().mean(axis=0)
+
+    def combined(name: str, case: str) -> np.ndarray:
+        """One checkpoint's scores, or the equal-weight sum over both (an index of saved models has no
+        learning rates: index/checkpoints.py), raw, each divided by the query's norm in the
+        estimator's metric ("qn"), or the cosine in that metric ("cos")."""
+        labels = {"ft": ["ft"], "base+ft": ["base", "ft"], "all": [label for label, _ in checkpoints]}[case.split()[0]]
+        total = 0.0
+        for label in labels:
+            s = per_checkpoint[label][name]
+            q, n = norms[label][name]
+            if case.endswith(" qn"):
+                s = s / np.sqrt(q)[:, None]
+            elif case.endswith(" cos"):
+                s = s / np.sqrt(q[:, None] * n[None, :])
+            total = total + s / len(labels)
+        return total
+
+    entries = []
+    cases = CASES + (("all", "all qn", "all cos") if args.epochs_between else ())
+    for case in cases:
+        for name in estimators():
+            scores = combined(name, case)
+            entry = {"estimator": name, "case": case, **lds_figures(scores, subsets, outputs)}
+            entry["per_query"] = per_query(scores, subsets, outputs)
+            if sources:
+                entry.update(retrieval(scores, sources))
+            entries.append(entry)
+    lexical = bm25(train, queries)
+    entries.append(
+        {
+            "estimator": "BM25",
+            "case": "words",
+            **lds_figures(lexical, subsets, outputs),
+            "per_query": per_query(lexical, subsets, outputs),
+            **(retrieval(lexical, sources) if sources else {}),
+        }
+    )
+    ceiling = result.get("indexes", {}).get("exact", {}).get("ceiling")
+    if ceiling is None and runs.repeats >= 2:  # as gradian validate reports it: one retraining against the other
+        losses = runs.losses()
+        raw = spearman(-losses[0].T, -losses[1].T)
+        centred = spearman(centred_over_queries(-losses[0]).T, centred_over_queries(-losses[1]).T)
+        (lds, se), (c_lds, c_se) = mean_and_standard_error(raw), mean_and_standard_error(centred)
+        ceiling = {"lds": lds, "standard_error": se, "centred_lds": c_lds, "centred_standard_error": c_se}
+    out = {
+        "set": args.name,
+        "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators " + " ".join(sys.argv[1:] if argv is None else argv),
+        "rows": len(train),
+        "queries": len(queries),
+        "num_subsets": int(subsets.shape[0]),
+        "shared_variance": shared_variance_share(outputs),
+        "ceiling": ceiling,
+        "mean_eigenvalue": means,
+        "checkpoints": [label for label, _ in checkpoints],
+        "dtype": str(dtype),
+        "wall_seconds": time.perf_counter() - started,
+        "entries": entries,
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(args.results / f"{args.name}.json", out)
+    for e in entries:
+        print(f"{e['case']:8s} {e['estimator']:22s} raw {e['lds']:+.3f} ± {e['standard_error']:.3f}  centred {e['centred_lds']:+.3f}  R@10 {e.get('recall@10', float('nan')):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The product's scorers on an LDS set against the number of checkpoints indexed along the
+fine-tune (issue 41, item 4), for the projected index and the exact pass (`query.method=exact`).
+
+Run after `run.py KIND` and `estimators.py NAME --epochs-between 1 2 3` (which saves the
+fine-tune's models after each epoch, the first epochs of the same run):
+
+    PYTHONPATH=. python -m benchmarks.studies.lds_sets.trajectory facts-N256
+    PYTHONPATH=. python -m benchmarks.studies.lds_sets.trajectory smollm2-N80 --scorers '[{}, {"method": "exact"}]'
+
+Each checkpoint list gets its own index (k = 32 int8, `grads.seed` 0; the two-checkpoint one is
+run.py's), scored through `dense_scores` (what `gradian query` and `gradian validate` run) against
+the set's retrained subsets: raw and centred LDS, R@10 and MRR, written to trajectory/NAME.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from benchmarks.studies.lds_sets.common import FORMATS, index, lds_figures, retrieval, settings
+from gradian_lightning import read_jsonl
+from gradian_lightning.config import load_config
+from gradian_lightning.recipes.query import dense_scores
+from gradian_lightning.recipes.validate import scorer_name
+from gradian_lightning.specs import QuerySpec
+from gradian_lightning.validation.lds import linear_datamodeling_score
+from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
+
+HERE = Path(__file__).resolve().parent
+SCORERS: List[Dict[str, Any]] = [
+    {},  # today's defaults: query.method=auto (the exact pass within query.exact_max_tokens)
+    {"method": "index"},  # the index path's defaults
+    {"method": "index", "checkpoints": "last"},
+    {"method": "exact", "checkpoints": "last"},
+    {"method": "exact", "precondition": "none", "score": "inner"},
+    {"method": "exact", "precondition": "none", "score": "cosine"},
+    {"method": "exact", "precondition": "kfac", "horizon": None, "damping": 0.1, "score": "inner"},
+    {"method": "exact", "precondition": "ekfac", "horizon": None, "damping": 0.1, "score": "inner"},
+]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", help="the set's work folder, e.g. facts-N256")
+    parser.add_argument("--root", type=Path, default=Path("/tmp/gradian-lds-sets"))
+    parser.add_argument("--results", type=Path, default=HERE / "trajectory")
+    parser.add_argument("--scorers", type=json.loads, default=SCORERS, help="a JSON list of query.* overrides")
+    parser.add_argument("--lists", nargs="+", default=["2", "all"], help="checkpoint lists: 2 (base, ft), all")
+    args = parser.parse_args(argv)
+    work = args.root / args.name
+    started = time.perf_counter()
+    from benchmarks.studies.lds_sets.common import SetSpec
+    from benchmarks.studies.lds_sets.run import spec_for
+
+    if (work / "result.json").is_file():
+        known = json.loads((work / "result.json").read_text())["spec"]
+        spec = SetSpec(**{k: v for k, v in known.items() if k in SetSpec.__dataclass_fields__})
+    else:  # run.py stopped before its last index: the set's spec as run.py makes it
+        kind, rows = args.name.split("-N")[0], int(args.name.split("-N")[1].split("-")[0])
+        spec = spec_for(kind, rows, smoke=False)
+    base = Path(spec.base) if spec.base else work / "base"
+    ft = work / "ft"
+    between = sorted(work.glob("ft-e*"), key=lambda p: int(p.name[len("ft-e") :]))
+    train, queries = read_jsonl(work / "train.jsonl"), read_jsonl(work / "queries.jsonl")
+    ids = [r["id"] for r in train]
+    sources = [[ids.index(s) for s in q["sources"]] for q in queries] if all("sources" in q for q in queries) else None
+    runs = SubsetRuns.existing(work / "runs")
+    subsets, outputs = runs.subsets, -runs.losses().mean(axis=0)
+    out: Dict[str, Any] = {
+        "set": args.name,
+        "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.trajectory "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "lists": {},
+    }
+    for label in args.lists:
+        models = [base, ft] if label == "2" else [base, *between, ft]
+        more = {**FORMATS["k32-int8"], "grads.seed": "0"}
+        path = work / ("index-projected-k32-int8-seed0" if label == "2" else f"index-trajectory{len(models)}-k32-int8-seed0")
+        cfg_args = settings(spec, work, base, ft, **{"model.checkpoints": "[" + ",".join(map(str, models)) + "]"})
+        index(cfg_args, path, **more)
+        scored = [*cfg_args, f"index.path={path}", *(f"{k}={v}" for k, v in more.items())]
+        cfg = load_config(None, scored)
+        specs = [
+            QuerySpec.from_config(load_config(None, [*scored, *(f"query.{k}={json.dumps(v)}" for k, v in s.items())]).query)
+            for s in args.scorers
+        ]
+        entries = []
+        for scorer, matrix in zip(args.scorers, dense_scores(cfg, specs)):
+            scores = np.nan_to_num(matrix.astype(np.float64), nan=0.0)
+            entry = {"scorer": scorer, "name": scorer_name(scorer), **lds_figures(scores, subsets, outputs)}
+            entry["per_query"] = {
+                "raw": linear_datamodeling_score(scores, subsets, outputs).tolist(),
+                "centred": linear_datamodeling_score(scores, subsets, outputs, centred=True).tolist(),
+            }
+            if sources:
+                entry.update(retrieval(scores, sources))
+            entries.append(entry)
+            print(
+                f"{args.name} {len(models)} checkpoints: {entry['name']:60s} raw {entry['lds']:+.3f} ± {entry['standard_error']:.3f} "
+                f"centred {entry['centred_lds']:+.3f} R@10 {entry.get('recall@10', float('nan')):.2f}",
+                flush=True,
+            )
+        out["lists"][label] = {"checkpoints": [str(m) for m in models], "scorers": entries}
+    out["wall_seconds"] = time.perf_counter() - started
+    args.results.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(args.results / f"{args.name}.json", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
