@@ -188,18 +188,20 @@ def bergson_command(venv: Path, method: str, run: Path, model_dir: Path, train: 
     return [str(venv / "bin" / "bergson"), "trackstar", *common, *cosine]
 
 
-def run_bergson(venv: Path, method: str, work: Path, model_dir: Path, env: Dict) -> Dict[str, Any]:
-    """One bergson pipeline; its scores as float64 [Q, N] and its wall time."""
-    run = work / method
-    scores_npy = work / f"{method}-scores.npy"
+def run_bergson(venv: Path, method: str, work: Path, model_dir: Path, env: Dict, repeat: int) -> Dict[str, Any]:
+    """One bergson pipeline on the model at `model_dir` (a fresh process: bergson seeds nothing, so
+    each repeat draws its own sampled labels); its scores as float64 [Q, N] and its wall time."""
+    tag = f"{model_dir.name}-{method}-{repeat}"
+    run = work / tag
+    scores_npy = work / f"{tag}-scores.npy"
     cmd = bergson_command(venv, method, run, model_dir, work / "train.jsonl", work / "queries.jsonl")
     started = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)
     wall = time.perf_counter() - started
-    (work / f"{method}.log").write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
+    (work / f"{tag}.log").write_text(out.stdout + "\n--- stderr ---\n" + out.stderr)
     if out.returncode != 0:
         raise SystemExit(
-            f"bergson {method} failed (exit {out.returncode}); log {work / f'{method}.log'}:\n{out.stderr[-3000:]}"
+            f"bergson {tag} failed (exit {out.returncode}); log {work / f'{tag}.log'}:\n{out.stderr[-3000:]}"
         )
     dumped = subprocess.run(
         [str(venv / "bin" / "python"), "-c", BERGSON_SCORES, str(run / "scores"), str(scores_npy)],
@@ -208,7 +210,7 @@ def run_bergson(venv: Path, method: str, work: Path, model_dir: Path, env: Dict)
         env=env,
     )
     if dumped.returncode != 0:
-        raise SystemExit(f"peer_bergson_quality: error: reading bergson's {method} scores:\n{dumped.stderr[-3000:]}")
+        raise SystemExit(f"peer_bergson_quality: error: reading bergson's {tag} scores:\n{dumped.stderr[-3000:]}")
     return {"scores": np.load(scores_npy).T, "wall_s": wall, "command": " ".join(cmd)}
 
 
@@ -253,6 +255,8 @@ def measure_set(name: str, args: argparse.Namespace, env: Dict[str, str]) -> Dic
     checked = 0
     for label, rows in (("train", train), ("queries", queries)):
         tokens = tokenized_rows(model_dir, rows, max_seq_length)
+        if tokenized_rows(source / "base", rows, max_seq_length) != tokens:
+            raise SystemExit(f"peer_bergson_quality: error: {name}: base and ft tokenize the {label} rows differently")
         write_jsonl(work / f"{label}.jsonl", tokens)
         checked += check_same_tokens(Path(args.venv), model_dir, work / f"{label}.jsonl", tokens, env)
     print(
@@ -263,21 +267,52 @@ def measure_set(name: str, args: argparse.Namespace, env: Dict[str, str]) -> Dic
     outputs = -done.losses().mean(axis=0)
     measured: Dict[str, Any] = {"rows": len(train), "queries": len(queries), "tokens_checked": checked, "methods": {}}
     for method in args.methods:
-        ran = run_bergson(Path(args.venv), method, work, model_dir, env)
-        scores = ran["scores"]
-        if scores.shape != (len(queries), len(train)):
-            raise SystemExit(
-                f"peer_bergson_quality: error: bergson {method} scored {scores.shape}, expected {(len(queries), len(train))}"
+        # bergson's EK-FAC and TrackStar take one model: base + ft is two runs, their raw scores summed here.
+        ran = [
+            {c: run_bergson(Path(args.venv), method, work, source / c, env, r) for c in ("ft", "base")}
+            for r in range(args.repeats)
+        ]
+        for checkpoints in ("ft", "base+ft"):
+            runs = ["ft"] if checkpoints == "ft" else ["base", "ft"]
+            draws = []
+            for r in ran:
+                scores = sum(r[c]["scores"] for c in runs)
+                if scores.shape != (len(queries), len(train)):
+                    raise SystemExit(
+                        f"peer_bergson_quality: error: bergson {method} scored {scores.shape}, expected {(len(queries), len(train))}"
+                    )
+                draws.append({**lds_figures(scores, done.subsets, outputs), **retrieval(scores, sources)})
+            figures = {k: float(np.mean([d[k] for d in draws])) for k in draws[0]}
+            measured["methods"][f"{method}@{checkpoints}"] = {
+                "label": bergson_label(method, checkpoints),
+                "index": BERGSON_INDEX[method],
+                "method": method,
+                "checkpoints": checkpoints,
+                **figures,
+                "lds_spread": spread(draws, "lds"),
+                "centred_lds_spread": spread(draws, "centred_lds"),
+                "draws": draws,
+                "wall_s": [sum(r[c]["wall_s"] for c in runs) for r in ran],
+                "commands": [ran[0][c]["command"] for c in runs],
+            }
+            print(
+                f"{name}: bergson {method} ({checkpoints}), {args.repeats} runs: {json.dumps({k: round(v, 3) for k, v in figures.items()})}",
+                flush=True,
             )
-        figures = {**lds_figures(scores, done.subsets, outputs), **retrieval(scores, sources)}
-        measured["methods"][method] = {**figures, "wall_s": ran["wall_s"], "command": ran["command"]}
-        print(
-            f"{name}: bergson {method}: {json.dumps({k: round(v, 3) for k, v in figures.items()})}, {ran['wall_s']:.0f} s",
-            flush=True,
-        )
     measured["gradian"] = gradian_figures(result)
     measured["gradian_result_command"] = result["command"]
     return measured
+
+
+def spread(draws: List[Dict[str, float]], key: str) -> float:
+    """max - min of `key` over the repeats."""
+    return float(max(d[key] for d in draws) - min(d[key] for d in draws))
+
+
+def spread_cell(entry: Dict[str, Any], centred: bool) -> str:
+    """The spread of the LDS the set is read by, over bergson's runs or gradian's projection seeds."""
+    value = entry.get("centred_lds_spread" if centred else "lds_spread")
+    return "" if value is None else f"{value:.3f}"
 
 
 def fmt(value: Optional[float], error: Optional[float] = None) -> str:
@@ -286,21 +321,24 @@ def fmt(value: Optional[float], error: Optional[float] = None) -> str:
     return f"{value:+.3f}" + (f" ± {error:.3f}" if error is not None else "")
 
 
-BERGSON_LABELS = {
-    "ekfac": "bergson EK-FAC (ft)",
-    "trackstar": "bergson TrackStar (ft)",
-    "trackstar-cosine": "bergson TrackStar, unit_normalize (ft)",
-}
+METHOD_NAMES = {"ekfac": "EK-FAC", "trackstar": "TrackStar", "trackstar-cosine": "TrackStar, unit_normalize"}
 BERGSON_INDEX = {"ekfac": "full-space", "trackstar": "projected 16 a side", "trackstar-cosine": "projected 16 a side"}
+# Which gradian row each bergson checkpoint choice is set beside in the ratios.
+PAIRS = (("ft", "gradian defaults, ft alone"), ("base+ft", "gradian defaults (base + ft)"))
+
+
+def bergson_label(method: str, checkpoints: str) -> str:
+    which = "ft" if checkpoints == "ft" else "base + ft: two runs, scores summed"
+    return f"bergson {METHOD_NAMES[method]} ({which})"
 
 
 def tables(per_set: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One table of every set's rows, then the gradian / bergson ratios of raw (centred for `shared`) LDS."""
-    header = ["set", "scorer", "index", "raw LDS", "centred LDS", "R@10", "MRR"]
+    header = ["set", "scorer", "index", "raw LDS", "centred LDS", "R@10", "MRR", "LDS spread (runs / seeds)"]
     rows = []
     for name, m in per_set.items():
         entries = [
-            *({"label": BERGSON_LABELS[k], "index": BERGSON_INDEX[k], **v} for k, v in m["methods"].items()),
+            *m["methods"].values(),
             *m["gradian"],
         ]
         for e in entries:
@@ -314,27 +352,28 @@ def tables(per_set: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
                     fmt(e.get("centred_lds"), e.get("centred_standard_error")),
                     f"{e['recall@10']:.2f}" if "recall@10" in e else "",
                     f"{e['mrr']:.2f}" if "mrr" in e else "",
+                    spread_cell(e, name in CENTRED_ONLY),
                 ]
             )
     out = [{"header": header, "rows": rows}]
     ratio_rows = []
+    methods = sorted({v["method"] for m in per_set.values() for v in m["methods"].values()}, key=METHODS.index)
     for name, m in per_set.items():
         key = "centred_lds" if name in CENTRED_ONLY else "lds"
         gradian = {g["label"]: g[key] for g in m["gradian"]}
-        for label in ("gradian defaults (base + ft)", "gradian defaults, ft alone"):
+        for checkpoints, label in PAIRS:
             ratio_rows.append(
                 [
                     name,
                     "centred" if name in CENTRED_ONLY else "raw",
                     label,
-                    *(ratio(gradian[label], m["methods"][k][key]) for k in m["methods"]),
+                    *(ratio(gradian[label], m["methods"][f"{k}@{checkpoints}"][key]) for k in methods),
                 ]
             )
-    methods = list(next(iter(per_set.values()))["methods"])
     out.append(
         {
-            "title": "gradian / bergson, LDS (raw; centred on `shared`):",
-            "header": ["set", "LDS", "gradian row", *(f"/ {BERGSON_LABELS[k]}" for k in methods)],
+            "title": "gradian / bergson, LDS (raw; centred on `shared`), each gradian row over bergson on the same checkpoints:",
+            "header": ["set", "LDS", "gradian row", *(f"/ bergson {METHOD_NAMES[k]}" for k in methods)],
             "rows": ratio_rows,
         }
     )
@@ -352,6 +391,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", nargs="+", default=SETS)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="fresh bergson runs a method and model, figures averaged (its Fisher samples labels unseeded; default 3)",
+    )
     parser.add_argument("--lds-root", default=str(LDS_ROOT), help="where the LDS sets' work folders are (read only)")
     parser.add_argument("--work", default=str(WORK), help="bergson's work folders (one a set)")
     parser.add_argument(
