@@ -32,10 +32,13 @@ but for what must match:
 
 Bergson's EK-FAC and TrackStar take one model: they cannot sum scores over checkpoints as
 gradian's `query.checkpoints=all` sums base + ft (only `bergson trak --checkpoints` ensembles
-models, with its own loss and projection). The table names, for each gradian row, which
-checkpoints it used.
+models, with its own loss and projection). So each method runs on `ft` (beside gradian's
+`checkpoints=last`) and on `base`, and the "base + ft" rows are the two runs' raw scores summed
+here (beside gradian's default). bergson fits its Fisher with labels sampled from the model,
+unseeded, so each method and model runs `--repeats` times (3) in fresh processes and the figures
+are the means, with the spread (max - min) over the runs.
 
-    PYTHONPATH=. python -m benchmarks.perf.peer_bergson_quality       # the four sets, ~minutes a set
+    PYTHONPATH=. python -m benchmarks.perf.peer_bergson_quality       # the four sets, 7-10 minutes a set
     PYTHONPATH=. python -m benchmarks.perf.peer_bergson_quality --sets facts-N256 --out /tmp/x
 """
 
@@ -387,6 +390,23 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}"
 
 
+def caption(version: str, commit: str, repeats: int) -> str:
+    """What the result file's tables measured."""
+    return (
+        f"bergson {version} (its own virtualenv, CLI at its defaults but for the matched settings below) against gradian at commit {commit}, "
+        "on the LDS sets of benchmarks/studies/lds_sets, every figure measured with gradian's own functions (common.lds_figures, common.retrieval) "
+        "on the same retrained half-subsets (M = 24 × 2 repeats) and planted sources. bergson's EK-FAC and TrackStar take one model: "
+        'each ran on the fine-tuned model (`ft`) and on the base, and its "base + ft" rows are the two runs\' raw scores summed by this script '
+        "(beside gradian's default query.checkpoints=all). Both tools score the same tokens with the same supervised positions "
+        "(completion + EOS; checked row by row through bergson's own data pipeline) on the same modules (every layer's MLP), loss summed over them. "
+        "EK-FAC: `bergson ekfac --method kfac --hessian_cfg.ev_correction true` (full-space query and training gradients); TrackStar: `bergson trackstar` "
+        "at its defaults (projection 16 a side, mixed Hessians, inner product) and with `--unit_normalize true` (the paper's cosine). "
+        f"bergson's figures are means over {repeats} fresh runs (its Fisher samples labels, unseeded), the spread max - min over them; "
+        "gradian's rows are from each set's result.json (projected k32-int8, 3 projection seeds averaged, spread over the seeds; "
+        "exact = projection_dim null). ± is the standard error over queries. `shared` is read by centred LDS only (its raw noise ceiling is ~0)."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", nargs="+", default=SETS)
@@ -420,16 +440,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     commit = gradian_commit()
     per_set = {name: measure_set(name, args, env) for name in args.sets}
-    text = (
-        f"bergson {version} (its own virtualenv, CLI at its defaults but for the matched settings below) against gradian at commit {commit}, "
-        "on the LDS sets of benchmarks/studies/lds_sets, every figure measured with gradian's own functions (common.lds_figures, common.retrieval) "
-        "on the same retrained half-subsets (M = 24 × 2 repeats) and planted sources. bergson runs on the fine-tuned model (`ft`) alone: "
-        "its EK-FAC and TrackStar take one model and cannot sum base + ft. Both tools score the same tokens with the same supervised positions "
-        "(completion + EOS; checked row by row through bergson's own data pipeline) on the same modules (every layer's MLP), loss summed over them. "
-        "EK-FAC: `bergson ekfac --method kfac --hessian_cfg.ev_correction true` (full-space query and training gradients); TrackStar: `bergson trackstar` "
-        "at its defaults (projection 16 a side, mixed Hessians, inner product) and with `--unit_normalize true` (the paper's cosine). gradian's rows are from each set's result.json (projected k32-int8, 3 projection seeds averaged; "
-        "exact = projection_dim null). ± is the standard error over queries. `shared` is read by centred LDS only (its raw noise ceiling is ~0)."
-    )
+    text = caption(version, commit, args.repeats)
     write_result(
         "peer_bergson_quality",
         text,
