@@ -29,12 +29,15 @@ from gradian_lightning.query.exact import ExactPass
 from gradian_lightning.query.rows import check_matches_index
 from gradian_lightning.specs import MEMORY_SETTINGS, IndexSpec, QuerySpec, field_names
 
-# What query.precondition=auto computes under the exact pass, until the LDS study (issue 41) says
-# otherwise: EK-FAC in full space as approximate unrolling over this horizon (in units of 1 / the
-# mean eigenvalue, `Factors.precondition`), between TracIn's gradient product (short horizons) and
-# the influence function (long ones). A placeholder value: change it, and only it, here.
-AUTO_FACTORS = "ekfac"
-AUTO_HORIZON = 3.0
+# What query.precondition=auto computes under the exact pass, chosen by the worst of five LDS sets
+# (benchmarks/studies/lds_sets/README.md, "Issue 41"): K-FAC in full space as approximate
+# unrolling over this horizon (in units of 1 / the mean eigenvalue, `Factors.precondition`),
+# between TracIn's gradient product (short horizons: best on SmolLM2's short fine-tune) and the
+# influence function (long ones: best on the tiny models trained from scratch), each checkpoint's
+# scores a cosine in that metric before they are summed. K-FAC matched or beat EK-FAC on every set,
+# for one fitting pass instead of two.
+AUTO_FACTORS = "kfac"
+AUTO_HORIZON = 30.0
 AUTO_COSINE = True  # query.score=auto: each checkpoint's scores as a cosine in the factors' metric
 # Bytes of query directions (one [out, in] matrix per module and query) one pass over the training
 # rows holds: more queries than fit are scored in several passes.
