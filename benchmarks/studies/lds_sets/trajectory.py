@@ -45,14 +45,34 @@ SCORERS: List[Dict[str, Any]] = [
 ]
 
 
+def report(results: List[Dict[str, Any]]) -> str:
+    """One Markdown table: each set's scorers, raw and centred LDS and R@10, per checkpoint list."""
+    lines = [
+        "| set | checkpoints | scorer | raw LDS | centred LDS | R@10 | MRR |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for label, entry in result["lists"].items():
+            for e in entry["scorers"]:
+                lines.append(
+                    f"| {result['set']} | {len(entry['checkpoints'])} | {e['name']} | {e['lds']:+.3f} ± {e['standard_error']:.3f} | "
+                    f"{e['centred_lds']:+.3f} ± {e['centred_standard_error']:.3f} | {e.get('recall@10', float('nan')):.2f} | {e.get('mrr', float('nan')):.2f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", help="the set's work folder, e.g. facts-N256")
+    parser.add_argument("name", nargs="?", help="the set's work folder, e.g. facts-N256")
+    parser.add_argument("--report", action="store_true", help="print the table of every result in --results")
     parser.add_argument("--root", type=Path, default=Path("/tmp/gradian-lds-sets"))
     parser.add_argument("--results", type=Path, default=HERE / "trajectory")
     parser.add_argument("--scorers", type=json.loads, default=SCORERS, help="a JSON list of query.* overrides")
     parser.add_argument("--lists", nargs="+", default=["2", "all"], help="checkpoint lists: 2 (base, ft), all")
     args = parser.parse_args(argv)
+    if args.report:
+        print(report([json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]))
+        return 0
     work = args.root / args.name
     started = time.perf_counter()
     from benchmarks.studies.lds_sets.common import SetSpec
