@@ -94,7 +94,7 @@ def test_dask_ranks_like_the_local_scorer_on_two_workers(tmp_path, saved_model, 
     assert (
         main(["index", *common, f"data.train={train}", "grads.batch_size=3", "trainer.enable_progress_bar=false"]) == 0
     )
-    query = ["query", *common, f"query.data={train}", "query.top_k=4", "query.bottom_k=2"]
+    query = ["query", *common, f"query.data={train}", "query.top_k=4", "query.bottom_k=2", "query.method=index"]
     assert main(query + [f"query.output={tmp_path / 'local.jsonl'}"]) == 0
     capsys.readouterr()
 

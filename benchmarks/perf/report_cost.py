@@ -72,6 +72,7 @@ def settings(model: Path, folder: Path, train: Path, queries: Path) -> List[str]
         f"query.data={queries}",
         "query.top_k=5",
         "query.bottom_k=5",
+        "query.method=index",  # the report's token terms are of the stored rows
         f"query.output={folder / 'results.jsonl'}",
         "report.token_rows=5",
     ]

@@ -70,6 +70,7 @@ def settings(kind: str, where: Dict[str, Path], **more: str) -> List[str]:
         "query.data": str(where["data"] / f"{kind}.queries.jsonl"),
         "trainer.accelerator": "cpu",
         "trainer.enable_progress_bar": "false",
+        "query.method": "index",  # this study is of the stored rows, not the exact pass auto runs on small sets
         "grads.batch_size": "8",
         "grads.max_seq_length": "64",
         "validate.num_subsets": str(where["subsets"]),

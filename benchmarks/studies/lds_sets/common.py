@@ -122,6 +122,9 @@ def settings(spec: SetSpec, work: Path, base: Path, ft: Path, **more: Any) -> Li
         "validate.batch_size": str(spec.batch_size),
         "validate.seed": str(spec.seed),
         "validate.output": str(work / "runs"),
+        # The scorers here are of the stored rows (projected or exact, unprojected): query.method=auto
+        # would run the full-space exact pass instead on sets this small (trajectory.py measures it).
+        "query.method": "index",
         **more,
     }
     return [f"{k}={v}" for k, v in values.items()]

@@ -93,7 +93,10 @@ def token_grads(model, modules: Dict[str, torch.nn.Linear], batch, dtype):
         with torch.enable_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss = F.cross_entropy(
-                logits[:, :-1].float().flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
+                logits[:, :-1].float().flatten(0, 1),
+                batch["labels"][:, 1:].flatten(),
+                ignore_index=-100,
+                reduction="sum",
             )
             grads = torch.autograd.grad(loss, [outputs[n] for n in modules])
     finally:
@@ -106,9 +109,7 @@ def token_grads(model, modules: Dict[str, torch.nn.Linear], batch, dtype):
 def scores_at(model, tokenizer, train, queries, spec: Dict, group_layers: int, dtype) -> Dict[str, np.ndarray]:
     """Every estimator's [Q, N] scores at one model (module docstring)."""
     model.eval()
-    modules = {
-        n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in MLP
-    }
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in MLP}
     length, size = spec["max_seq_length"], 8
     # Pass 1, every module: A and G sums, positions, examples, Σ_n ‖G_n‖² (the EK-FAC eigenvalues' total).
     a_sum = {n: 0 for n in modules}
@@ -217,7 +218,9 @@ def worst_set_table(results: List[Dict], top: int = 12, always: Sequence[tuple] 
     lines = [head, "|---|---|---|" + "---|" * len(results)]
     lines.append(
         "| best reference | | | "
-        + " | ".join(f"{best[r['set']]['lds']:+.3f} ({best[r['set']]['case']}, {best[r['set']]['estimator']})" for r in results)
+        + " | ".join(
+            f"{best[r['set']]['lds']:+.3f} ({best[r['set']]['case']}, {best[r['set']]['estimator']})" for r in results
+        )
         + " |"
     )
     lines.append(
@@ -249,7 +252,11 @@ def against_bm25(results: List[Dict], key: tuple) -> str:
         lexical = next(e for e in r["entries"] if e["estimator"] == "BM25")
         diff = np.array(entry["per_query"]["raw"]) - np.array(lexical["per_query"]["raw"])
         diff = diff[np.isfinite(diff)]
-        paired = f"{diff.mean():+.3f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.3f}" if len(diff) > 1 else "BM25 has no score"
+        paired = (
+            f"{diff.mean():+.3f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.3f}"
+            if len(diff) > 1
+            else "BM25 has no score"
+        )
         share = entry["lds"] / best_reference(r)["lds"]
         flag = "" if raw_ceiling_above_zero(r) else " (raw ceiling ≈ 0)"
         lines.append(
@@ -288,13 +295,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--results", type=Path, default=HERE / "estimators")
     parser.add_argument("--group-layers", type=int, default=64, help="layers whose rows' gradients are held at once")
     parser.add_argument("--float64", action="store_true", help="float64 arithmetic (the tiny sets)")
-    parser.add_argument("--scores-only", action="store_true", help="make and keep the scores; no LDS (subsets may still train)")
+    parser.add_argument(
+        "--scores-only", action="store_true", help="make and keep the scores; no LDS (subsets may still train)"
+    )
     parser.add_argument(
         "--epochs-between", type=int, nargs="*", default=[],
         help="also score the fine-tune after these epochs (case 'all': base, these and ft summed)",
     )  # fmt: skip
     parser.add_argument(
-        "--defaults", nargs="*", default=["base+ft cos:kfac d=0.1"], help="CASE:ESTIMATOR rows for --report's per-set table"
+        "--defaults",
+        nargs="*",
+        default=["base+ft cos:kfac d=0.1"],
+        help="CASE:ESTIMATOR rows for --report's per-set table",
     )
     parser.add_argument("--report", action="store_true", help="print the tables of every result in --results")
     args = parser.parse_args(argv)
@@ -397,7 +409,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ceiling = {"lds": lds, "standard_error": se, "centred_lds": c_lds, "centred_standard_error": c_se}
     out = {
         "set": args.name,
-        "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": len(train),
         "queries": len(queries),
         "num_subsets": int(subsets.shape[0]),
@@ -412,7 +425,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     write_json_atomically(args.results / f"{args.name}.json", out)
     for e in entries:
-        print(f"{e['case']:8s} {e['estimator']:22s} raw {e['lds']:+.3f} ± {e['standard_error']:.3f}  centred {e['centred_lds']:+.3f}  R@10 {e.get('recall@10', float('nan')):.2f}")
+        print(
+            f"{e['case']:8s} {e['estimator']:22s} raw {e['lds']:+.3f} ± {e['standard_error']:.3f}  centred {e['centred_lds']:+.3f}  R@10 {e.get('recall@10', float('nan')):.2f}"
+        )
     return 0
 
 

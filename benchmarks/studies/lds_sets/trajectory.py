@@ -101,13 +101,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for label in args.lists:
         models = [base, ft] if label == "2" else [base, *between, ft]
         more = {**FORMATS["k32-int8"], "grads.seed": "0"}
-        path = work / ("index-projected-k32-int8-seed0" if label == "2" else f"index-trajectory{len(models)}-k32-int8-seed0")
+        path = work / (
+            "index-projected-k32-int8-seed0" if label == "2" else f"index-trajectory{len(models)}-k32-int8-seed0"
+        )
         cfg_args = settings(spec, work, base, ft, **{"model.checkpoints": "[" + ",".join(map(str, models)) + "]"})
         index(cfg_args, path, **more)
-        scored = [*cfg_args, f"index.path={path}", *(f"{k}={v}" for k, v in more.items())]
+        # query.method=auto, today's default (common.settings pins the stored rows for run.py's scorers)
+        scored = [*cfg_args, f"index.path={path}", *(f"{k}={v}" for k, v in more.items()), "query.method=auto"]
         cfg = load_config(None, scored)
         specs = [
-            QuerySpec.from_config(load_config(None, [*scored, *(f"query.{k}={json.dumps(v)}" for k, v in s.items())]).query)
+            QuerySpec.from_config(
+                load_config(None, [*scored, *(f"query.{k}={json.dumps(v)}" for k, v in s.items())]).query
+            )
             for s in args.scorers
         ]
         entries = []
