@@ -52,7 +52,7 @@ def report(results: List[Dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for result in results:
-        for label, entry in result["lists"].items():
+        for entry in result["lists"].values():
             for e in entry["scorers"]:
                 lines.append(
                     f"| {result['set']} | {len(entry['checkpoints'])} | {e['name']} | {e['lds']:+.3f} ± {e['standard_error']:.3f} | "
