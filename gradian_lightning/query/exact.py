@@ -137,10 +137,15 @@ class ExactPass:
         grads = query_gradients_full(self.tokens, queries)
         self.factors, self.damping, self.horizon = factors, damping, horizon
         if factors is not None:
-            preconditioned = {name: factors.precondition(name, g, damping, horizon) for name, g in grads.items()}
-            # ‖g_q‖²_f = ⟨g_q, f(H) g_q⟩: the query's norm in the preconditioner's metric
-            squared = [(g.to(m) * m).flatten(1).sum(1) for g, m in zip(grads.values(), preconditioned.values())]
-            grads = preconditioned
+            # A module at a time, each raw gradient dropped once preconditioned: the directions
+            # never sit beside a second full copy of themselves.
+            squared = []
+            for name in list(grads):
+                g = grads.pop(name)
+                m = factors.precondition(name, g, damping, horizon)
+                squared.append((g.to(m) * m).flatten(1).sum(1))  # ‖g_q‖²_f = ⟨g_q, f(H) g_q⟩
+                grads[name] = m
+                del g
         else:
             squared = [g.flatten(1).square().sum(1) for g in grads.values()]
         self.query_norms = torch.stack(squared).sum(0).clamp_min(0).sqrt()

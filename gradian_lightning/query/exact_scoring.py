@@ -231,4 +231,5 @@ def exact_scores(
             horizon=estimator.horizon,
         )
         out.append(exact.score_all(batches, rows).float())
+        del exact  # before the next group's directions are made: one group's held at a time
     return torch.cat(out)
