@@ -17,7 +17,13 @@ from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.factors import fit_factors
 from gradian_lightning.query.exact import ExactPass
-from gradian_lightning.query.exact_scoring import AUTO_COSINE, AUTO_FACTORS, AUTO_HORIZON, exact_estimator
+from gradian_lightning.query.exact_scoring import (
+    AUTO_COSINE,
+    AUTO_FACTORS,
+    AUTO_HORIZON,
+    AUTO_HORIZON_TRAJECTORY,
+    exact_estimator,
+)
 from gradian_lightning.recipes import query as recipe
 from gradian_lightning.recipes.query import dense_scores, run_query
 
@@ -261,6 +267,9 @@ def test_each_exact_setting_refusal_is_one_line_naming_the_setting(settings, key
 
 def test_the_estimator_is_resolved_in_one_place():
     assert exact_estimator(QuerySpec(method="exact")).horizon == AUTO_HORIZON
+    assert exact_estimator(QuerySpec(method="exact"), checkpoints=2).horizon == AUTO_HORIZON
+    assert exact_estimator(QuerySpec(method="exact"), checkpoints=3).horizon == AUTO_HORIZON_TRAJECTORY
+    assert exact_estimator(QuerySpec(method="exact", horizon=5.0), checkpoints=3).horizon == 5.0
     assert exact_estimator(QuerySpec(method="exact", horizon=None)).horizon is None  # auto's kind, as influence
     assert exact_estimator(QuerySpec(method="exact", precondition="ekfac")).horizon is None
     assert exact_estimator(QuerySpec(method="exact", precondition="none", score="auto")).cosine is AUTO_COSINE

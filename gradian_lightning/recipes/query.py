@@ -267,7 +267,7 @@ def exact_dense_scores(
     max_seq_length and batched by grads.batch_size; at each checkpoint `q.checkpoints` sums, that
     checkpoint's saved model, its factors fitted there (or read from the index's factors/ cache),
     the scores weighted as the index path weights them. Rows the index never ranks are NaN."""
-    estimator = exact_estimator(q)
+    estimator = exact_estimator(q, len(checkpoint_weights(index.checkpoints, q.checkpoints)))
     fields = Fields.from_config(cfg.data)
     train_rows, why = indexed_rows(index.meta.data_segments(), fields, train)
     if train_rows is None:
