@@ -31,14 +31,17 @@ NORMALIZE = ("auto", "module", "row")
 PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac", "kfac")
 # index: score the stored projected rows (fast, any N); exact: re-read every training row and score
 # it against full-space query gradients (query/exact.py, query/exact_scoring.py).
-# auto: exact while the training rows' supervised tokens, times the checkpoints summed, are within
-# query.exact_max_tokens (and nothing asks for the index path), index past it (query/exact_scoring.py).
+# auto: exact while the training rows' supervised tokens, times the checkpoints summed and the
+# selected weights, are within
+# query.exact_budget (and nothing asks for the index path), index past it (query/exact_scoring.py).
 METHODS = ("auto", "index", "exact")
-# query.exact_max_tokens' default: 20,000 supervised tokens x checkpoints, about 30 CPU-minutes of
-# the exact pass on SmolLM2-135M's MLP at one thread (benchmarks/RESULTS.md §13: ~90 ms a token and
-# checkpoint for the fit and one scoring pass, plus ~100 s of eigendecompositions a checkpoint),
-# seconds to minutes on a GPU; the tiny test models take milliseconds.
-EXACT_MAX_TOKENS = 20_000
+# query.exact_budget's default, in supervised tokens x checkpoints x selected weights (about the
+# multiply-adds of one pass over the data): 3e10 keeps every tiny LDS set of issue 41 (up to 4,096
+# rows of a 393 K-weight MLP) on the exact pass and SmolLM2-135M's MLP (79.6 M weights) on it below
+# about 380 supervised tokens x checkpoints. The exact pass on SmolLM2's MLP costs ~90 ms a token
+# and checkpoint on one CPU thread plus ~100 s of eigendecompositions a checkpoint, and its query
+# over 80 rows peaked at 17 GB (benchmarks/studies/lds_sets/README.md): past that, the index.
+EXACT_BUDGET = 3e10
 # What each method can precondition with: the index's row statistics, or full-space factors.
 INDEX_PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
 EXACT_PRECONDITIONS = ("auto", "none", "kfac", "ekfac")
@@ -201,9 +204,9 @@ class QuerySpec:
     ann_shard_rows: rows per ANN shard, each one FAISS index built and searched on its own.
     method: "index" (score the stored projected rows), "exact" (re-read every training row and
         score it against full-space query gradients: query/exact_scoring.py) or "auto": exact while
-        the index's supervised tokens times the checkpoints summed are at most `exact_max_tokens`.
-    exact_max_tokens: method=auto's budget for the exact pass, in supervised training tokens times
-        checkpoints (its cost grows with them: about four capture passes over the data per checkpoint).
+        the index's supervised tokens x checkpoints summed x selected weights are at most `exact_budget`.
+    exact_budget: method=auto's budget for the exact pass, in supervised training tokens x checkpoints
+        x the selected modules' weights (about the multiply-adds of one pass over the data).
     horizon: the exact pass's factors as approximate unrolling over a training time h >= 0 (in
         units of 1 / the mean eigenvalue), null for the influence function (H + λI)⁻¹ at
         `damping`, or "auto": what precondition=auto chooses, the influence function otherwise.
@@ -223,7 +226,7 @@ class QuerySpec:
     ann_shard_rows: int = 1_000_000
     method: str = "auto"
     horizon: Any = "auto"
-    exact_max_tokens: int = EXACT_MAX_TOKENS
+    exact_budget: float = EXACT_BUDGET
 
     def __post_init__(self) -> None:
         steps = plain(self.checkpoints)
@@ -272,10 +275,10 @@ class QuerySpec:
         """The settings that depend on query.method: each refused in one line naming the fix."""
         check(self.method in METHODS, "query.method", self.method, " or ".join(METHODS))
         check(
-            is_int(self.exact_max_tokens) and self.exact_max_tokens >= 0,
-            "query.exact_max_tokens",
-            self.exact_max_tokens,
-            f"an integer >= 0 (supervised training tokens times checkpoints; {EXACT_MAX_TOKENS} is the default)",
+            is_number(self.exact_budget) and self.exact_budget >= 0,
+            "query.exact_budget",
+            self.exact_budget,
+            f"a number >= 0 (supervised training tokens x checkpoints x selected weights; {EXACT_BUDGET:g} is the default)",
         )
         # auto's settings must make sense for the method they ask for (index where none asks).
         method = (self.forced_method() or "index") if self.method == "auto" else self.method

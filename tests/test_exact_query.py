@@ -248,7 +248,7 @@ def test_validate_reports_an_exact_scorer(tmp_path, saved_model, indexed, capsys
         (["query.method=index", "query.horizon=2"], "query.horizon"),
         (["query.method=index", "query.precondition=kfac"], "query.precondition"),
         (["query.horizon=2", "query.precondition=fisher"], "query.horizon"),  # auto: fisher asks for the index
-        (["query.exact_max_tokens=-1"], "query.exact_max_tokens"),
+        (["query.exact_budget=-1"], "query.exact_budget"),
         (["query.method=exact", "query.precondition=fisher"], "query.precondition"),
         (["query.method=exact", "query.precondition=diag"], "query.precondition"),
         (["query.method=exact", "query.normalize=module"], "query.normalize"),
@@ -275,6 +275,22 @@ def test_the_estimator_is_resolved_in_one_place():
     assert exact_estimator(QuerySpec(method="exact", precondition="none", score="auto")).cosine is AUTO_COSINE
     assert exact_estimator(QuerySpec(method="exact", precondition="ekfac", score="inner")).cosine is False
     assert QuerySpec(method="exact", precondition="kfac", damping=0.1)  # kfac is allowed under exact
+
+
+def test_auto_runs_the_exact_pass_within_its_budget_and_the_index_past_it(tmp_path, indexed, capsys):
+    """query.method=auto: the cost is supervised tokens x checkpoints x selected weights, against
+    query.exact_budget; the summary names the method chosen and why, and the scores are that method's."""
+    cfg = load_config(None, indexed)
+    within, past = QuerySpec(top_k="all"), QuerySpec(top_k="all", exact_budget=0)
+    got_within, got_past = dense_scores(cfg, [within, past])
+    exact, index = dense_scores(cfg, [QuerySpec(method="exact", top_k="all"), QuerySpec(method="index", top_k="all")])
+    np.testing.assert_array_equal(got_within, exact)
+    np.testing.assert_array_equal(got_past, index)
+    assert main(["query", *indexed, "query.top_k=2"]) == 0
+    assert "(query.method=auto: exact (" in capsys.readouterr().out
+    assert main(["query", *indexed, "query.top_k=2", "query.exact_budget=0"]) == 0
+    printed = capsys.readouterr().out
+    assert "(query.method=auto: index (" in printed and "above query.exact_budget=0" in printed
 
 
 def test_changed_training_data_and_stored_rows_only_callers_are_refused(tmp_path, indexed):

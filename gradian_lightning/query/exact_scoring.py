@@ -97,24 +97,27 @@ def resolve_method(
     """query.method=auto made concrete, and a line saying why (empty for an explicit method).
 
     A setting only one method has decides (`QuerySpec.forced_method`); else the exact pass while
-    the index's supervised tokens (rows the query can rank) times `checkpoints` are within
-    `spec.exact_max_tokens`, and the index path past that or where `why_not_exact` (the training
-    data is gone or changed, a Dask engine or token scores were asked for) says it cannot run."""
+    its cost, the index's supervised tokens (rows the query can rank) times `checkpoints` times the
+    selected modules' weights (about the multiply-adds of one pass), is within `spec.exact_budget`,
+    and the index path past that or where `why_not_exact` (the training data is gone or changed, a
+    Dask engine or token scores were asked for) says it cannot run."""
     if spec.method != "auto":
         return spec, ""
     forced = spec.forced_method()
     if forced is not None:
         return replace(spec, method=forced), f"query.method=auto: {forced} (asked for by the query.* settings)"
     tokens = int(index.column("supervised_tokens")[index.rankable(0, len(index))].sum()) * checkpoints
-    if tokens > spec.exact_max_tokens:
-        return replace(spec, method="index"), (
-            f"query.method=auto: index ({tokens:,} supervised tokens x checkpoints, above query.exact_max_tokens={spec.exact_max_tokens:,})"
-        )
+    weights = sum(b.out_features * b.in_features for b in index.meta.blocks)
+    cost = f"{tokens:,} supervised tokens x checkpoints x {weights:,} weights = {float(tokens) * weights:.2g}"
+    if float(tokens) * weights > spec.exact_budget:
+        return replace(
+            spec, method="index"
+        ), f"query.method=auto: index ({cost}, above query.exact_budget={spec.exact_budget:.2g})"
     if why_not_exact:
         return replace(spec, method="index"), f"query.method=auto: index (the exact pass cannot run: {why_not_exact})"
-    return replace(spec, method="exact"), (
-        f"query.method=auto: exact ({tokens:,} supervised tokens x checkpoints, within query.exact_max_tokens={spec.exact_max_tokens:,})"
-    )
+    return replace(
+        spec, method="exact"
+    ), f"query.method=auto: exact ({cost}, within query.exact_budget={spec.exact_budget:.2g})"
 
 
 def exact_modules(

@@ -34,7 +34,7 @@ from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomical
 
 HERE = Path(__file__).resolve().parent
 SCORERS: List[Dict[str, Any]] = [
-    {},  # today's defaults: query.method=auto (the exact pass within query.exact_max_tokens)
+    {},  # today's defaults: query.method=auto (the exact pass within query.exact_budget)
     {"method": "index"},  # the index path's defaults
     {"method": "index", "checkpoints": "last"},
     {"method": "exact", "checkpoints": "last"},
