@@ -35,12 +35,12 @@ PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac", "kfac")
 # selected weights, are within
 # query.exact_budget (and nothing asks for the index path), index past it (query/exact_scoring.py).
 METHODS = ("auto", "index", "exact")
-# query.exact_budget's default, in supervised tokens x checkpoints x selected weights (about the
-# multiply-adds of one pass over the data): 3e10 keeps every tiny LDS set of issue 41 (up to 4,096
-# rows of a 393 K-weight MLP) on the exact pass and SmolLM2-135M's MLP (79.6 M weights) on it below
-# about 380 supervised tokens x checkpoints. The exact pass on SmolLM2's MLP costs ~90 ms a token
-# and checkpoint on one CPU thread plus ~100 s of eigendecompositions a checkpoint, and its query
-# over 80 rows peaked at 17 GB (benchmarks/studies/lds_sets/README.md): past that, the index.
+# query.exact_budget's default, in (supervised tokens + the pass's fixed cost, 1,100 tokens) x
+# checkpoints x selected weights (about the multiply-adds of the pass): 3e10 keeps every tiny LDS
+# set of issue 41 (up to 4,096 rows of a 393 K-weight MLP, 5 checkpoints) on the exact pass and sends
+# SmolLM2-135M's MLP (79.6 M weights) to the index whatever its rows: there the exact pass costs
+# ~90 ms a token and checkpoint on one CPU thread plus ~100 s of eigendecompositions a checkpoint,
+# and a 2-checkpoint query over 80 rows peaked at 22 GB (benchmarks/studies/lds_sets/README.md).
 EXACT_BUDGET = 3e10
 # What each method can precondition with: the index's row statistics, or full-space factors.
 INDEX_PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac")
@@ -205,8 +205,8 @@ class QuerySpec:
     method: "index" (score the stored projected rows), "exact" (re-read every training row and
         score it against full-space query gradients: query/exact_scoring.py) or "auto": exact while
         the index's supervised tokens x checkpoints summed x selected weights are at most `exact_budget`.
-    exact_budget: method=auto's budget for the exact pass, in supervised training tokens x checkpoints
-        x the selected modules' weights (about the multiply-adds of one pass over the data).
+    exact_budget: method=auto's budget for the exact pass, in (supervised training tokens + its
+        fixed cost, 1,100 tokens) x checkpoints x the selected modules' weights.
     horizon: the exact pass's factors as approximate unrolling over a training time h >= 0 (in
         units of 1 / the mean eigenvalue), null for the influence function (H + λI)⁻¹ at
         `damping`, or "auto": what precondition=auto chooses, the influence function otherwise.
@@ -278,7 +278,7 @@ class QuerySpec:
             is_number(self.exact_budget) and self.exact_budget >= 0,
             "query.exact_budget",
             self.exact_budget,
-            f"a number >= 0 (supervised training tokens x checkpoints x selected weights; {EXACT_BUDGET:g} is the default)",
+            f"a number >= 0 ((supervised training tokens + 1,100) x checkpoints x selected weights; {EXACT_BUDGET:g} is the default)",
         )
         # auto's settings must make sense for the method they ask for (index where none asks).
         method = (self.forced_method() or "index") if self.method == "auto" else self.method

@@ -46,7 +46,12 @@ AUTO_COSINE = True  # query.score=auto: each checkpoint's scores as a cosine in 
 # Bytes of query directions (one [out, in] matrix per module and query) one pass over the training
 # rows holds: more queries than fit are scored in several passes.
 QUERY_BYTES = 2**31
-FACTOR_SET_FORMAT = 1  # bump when what a factor set holds changes: older sets are then refitted
+FACTOR_SET_FORMAT = 1
+# The exact pass's fixed cost a checkpoint (the factors' eigendecompositions, the queries' full
+# gradients and directions), in supervised tokens of scoring it is worth: ~100 s against ~90 ms a
+# token on SmolLM2-135M's MLP (benchmarks/RESULTS.md §13). query.method=auto counts it, so a model
+# of that size never goes to the exact pass on a few rows (its query peaked at 17-22 GB).
+FIXED_COST_TOKENS = 1_100  # bump when what a factor set holds changes: older sets are then refitted
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,8 @@ def resolve_method(
     """query.method=auto made concrete, and a line saying why (empty for an explicit method).
 
     A setting only one method has decides (`QuerySpec.forced_method`); else the exact pass while
-    its cost, the index's supervised tokens (rows the query can rank) times `checkpoints` times the
-    selected modules' weights (about the multiply-adds of one pass), is within `spec.exact_budget`,
+    its cost, (the index's supervised tokens (rows the query can rank) + `FIXED_COST_TOKENS`) x
+    `checkpoints` x the selected modules' weights, is within `spec.exact_budget`,
     and the index path past that or where `why_not_exact` (the training data is gone or changed, a
     Dask engine or token scores were asked for) says it cannot run."""
     if spec.method != "auto":
@@ -106,9 +111,10 @@ def resolve_method(
     forced = spec.forced_method()
     if forced is not None:
         return replace(spec, method=forced), f"query.method=auto: {forced} (asked for by the query.* settings)"
-    tokens = int(index.column("supervised_tokens")[index.rankable(0, len(index))].sum()) * checkpoints
+    supervised = int(index.column("supervised_tokens")[index.rankable(0, len(index))].sum())
+    tokens = (supervised + FIXED_COST_TOKENS) * checkpoints
     weights = sum(b.out_features * b.in_features for b in index.meta.blocks)
-    cost = f"{tokens:,} supervised tokens x checkpoints x {weights:,} weights = {float(tokens) * weights:.2g}"
+    cost = f"({supervised:,} supervised tokens + {FIXED_COST_TOKENS:,}) x {checkpoints} checkpoint(s) x {weights:,} weights = {float(tokens) * weights:.2g}"
     if float(tokens) * weights > spec.exact_budget:
         return replace(
             spec, method="index"
