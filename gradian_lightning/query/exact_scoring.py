@@ -1,6 +1,7 @@
 """query.method=exact: the exact pass (exact.py) as `gradian query`, `gradian validate` and the report use it.
 
     exact_estimator(QuerySpec)    what the exact pass computes: the one place "auto" is resolved
+    resolve_method                query.method=auto: the exact pass within query.exact_budget, else the index
     TrainBatches                  the index's training rows, tokenised and batched as indexing did
     exact_modules                 the index's modules in a checkpoint's model, checked against it
     factor_set_key / factor_set   what a cached factor set was fitted from; `Factors` <-> arrays
@@ -46,20 +47,20 @@ AUTO_COSINE = True  # query.score=auto: each checkpoint's scores as a cosine in 
 # Bytes of query directions (one [out, in] matrix per module and query) one pass over the training
 # rows holds: more queries than fit are scored in several passes.
 QUERY_BYTES = 2**31
-FACTOR_SET_FORMAT = 1
+FACTOR_SET_FORMAT = 1  # bump when what a factor set holds changes: older sets are then refitted
 # The exact pass's fixed cost a checkpoint (the factors' eigendecompositions, the queries' full
 # gradients and directions), in supervised tokens of scoring it is worth: ~100 s against ~90 ms a
 # token on SmolLM2-135M's MLP (benchmarks/RESULTS.md §13). query.method=auto counts it, so a model
 # of that size never goes to the exact pass on a few rows (its query peaked at 17-22 GB).
-FIXED_COST_TOKENS = 1_100  # bump when what a factor set holds changes: older sets are then refitted
+FIXED_COST_TOKENS = 1_100
 
 
 @dataclass(frozen=True)
 class ExactEstimator:
     """What the exact pass computes. factors: None (no preconditioning), "kfac" or "ekfac";
-    cosine: whole-row cosine, in the factors' metric ⟨g, f(H) g⟩ where there are factors; damping: λ as a fraction of each module's mean
-    eigenvalue (influence function only); horizon: None for the influence function, else
-    approximate unrolling over it."""
+    cosine: whole-row cosine, in the factors' metric ⟨g, f(H) g⟩ where there are factors;
+    damping: λ as a fraction of each module's mean eigenvalue (influence function only);
+    horizon: None for the influence function, else approximate unrolling over it."""
 
     factors: Optional[str]
     cosine: bool
