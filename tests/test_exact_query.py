@@ -23,6 +23,7 @@ from gradian_lightning.query.exact_scoring import (
     AUTO_HORIZON,
     AUTO_HORIZON_TRAJECTORY,
     exact_estimator,
+    resolve_method,
 )
 from gradian_lightning.recipes import query as recipe
 from gradian_lightning.recipes.query import dense_scores, run_query
@@ -291,6 +292,20 @@ def test_auto_runs_the_exact_pass_within_its_budget_and_the_index_past_it(tmp_pa
     assert main(["query", *indexed, "query.top_k=2", "query.exact_budget=0"]) == 0
     printed = capsys.readouterr().out
     assert "(query.method=auto: index (" in printed and "above query.exact_budget=0" in printed
+
+
+def test_auto_past_its_budget_never_reads_the_training_data(tmp_path, indexed):
+    """Reading and fingerprinting data.train is asked for only when the exact pass is affordable:
+    a large index going to the index path does not hash its training data first."""
+    reader = open_index(tmp_path / "ix").reader
+
+    def unreadable():
+        raise AssertionError("the training data was read past the budget")
+
+    spec, why = resolve_method(QuerySpec(exact_budget=0), reader, 1, unreadable)
+    assert spec.method == "index" and "above query.exact_budget=0" in why
+    spec, why = resolve_method(QuerySpec(), reader, 1, lambda: "the data changed")
+    assert spec.method == "index" and why.endswith("(the exact pass cannot run: the data changed)")
 
 
 def test_changed_training_data_and_stored_rows_only_callers_are_refused(tmp_path, indexed):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -98,15 +98,16 @@ def exact_estimator(spec: QuerySpec, checkpoints: int = 1) -> ExactEstimator:
 
 
 def resolve_method(
-    spec: QuerySpec, index: IndexReader, checkpoints: int, why_not_exact: Optional[str] = None
+    spec: QuerySpec, index: IndexReader, checkpoints: int, why_not_exact: Callable[[], Optional[str]] = lambda: None
 ) -> Tuple[QuerySpec, str]:
     """query.method=auto made concrete, and a line saying why (empty for an explicit method).
 
     A setting only one method has decides (`QuerySpec.forced_method`); else the exact pass while
     its cost, (the index's supervised tokens (rows the query can rank) + `FIXED_COST_TOKENS`) x
     `checkpoints` x the selected modules' weights, is within `spec.exact_budget`,
-    and the index path past that or where `why_not_exact` (the training data is gone or changed, a
-    Dask engine or token scores were asked for) says it cannot run."""
+    and the index path past that or where `why_not_exact()` (the training data is gone or changed, a
+    Dask engine or token scores were asked for) says it cannot run: asked only within the budget,
+    since it reads and fingerprints the training data."""
     if spec.method != "auto":
         return spec, ""
     forced = spec.forced_method()
@@ -120,8 +121,9 @@ def resolve_method(
         return replace(
             spec, method="index"
         ), f"query.method=auto: index ({cost}, above query.exact_budget={spec.exact_budget:.2g})"
-    if why_not_exact:
-        return replace(spec, method="index"), f"query.method=auto: index (the exact pass cannot run: {why_not_exact})"
+    why = why_not_exact()
+    if why:
+        return replace(spec, method="index"), f"query.method=auto: index (the exact pass cannot run: {why})"
     return replace(
         spec, method="exact"
     ), f"query.method=auto: exact ({cost}, within query.exact_budget={spec.exact_budget:.2g})"

@@ -347,15 +347,16 @@ def resolve_scoring(cfg: Any, index: Index, q: QuerySpec, train: Any = None) -> 
     saying what auto chose and why ("" for an explicit method)."""
     if q.method != "auto":
         return q, ""
-    why = None
-    if cfg.query.engine == "dask":
-        why = "query.engine=dask scores the stored rows"
-    elif cfg.query.token_scores:
-        why = "query.token_scores=true explains the stored rows' scores"
-    else:
+
+    def why_not_exact() -> Optional[str]:
+        if cfg.query.engine == "dask":
+            return "query.engine=dask scores the stored rows"
+        if cfg.query.token_scores:
+            return "query.token_scores=true explains the stored rows' scores"
         rows, reason = indexed_rows(index.meta.data_segments(), Fields.from_config(cfg.data), train)
-        why = reason if rows is None else None
-    return resolve_method(q, index.reader, len(checkpoint_weights(index.checkpoints, q.checkpoints)), why)
+        return reason if rows is None else None
+
+    return resolve_method(q, index.reader, len(checkpoint_weights(index.checkpoints, q.checkpoints)), why_not_exact)
 
 
 def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
