@@ -135,7 +135,11 @@ class ExactPass:
         self.tokens = TokenPass(model, spec, modules, dtype)
         self.cosine, self.order = cosine, order
         grads = query_gradients_full(self.tokens, queries)
-        self.factors, self.damping, self.horizon = factors, damping, horizon
+        self.factors = factors
+        # f(E) [out, in] per module, for each row's norm in the metric: made once here, not per batch.
+        self.metric = {}
+        if cosine and factors is not None:
+            self.metric = {name: factors.weights(name, damping, horizon) for name in grads}
         if factors is not None:
             # A module at a time, each raw gradient dropped once preconditioned: the directions
             # never sit beside a second full copy of themselves.
@@ -178,7 +182,7 @@ class ExactPass:
         """‖G_b‖²_f [B] = Σ_oi f(E) ⊙ (Q_Gᵀ G_b Q_A)², each row's gradient made in the eigenbases
         a few rows at a time ([c, out, in] within `CHUNK_ELEMENTS`)."""
         q_a, _, q_g, _ = self.factors.bases[name]
-        weights = self.factors.weights(name, self.damping, self.horizon).to(x)
+        weights = self.metric[name].to(x)
         x, g = x @ q_a.to(x), g @ q_g.to(g)
         out = x.new_empty(x.shape[0])
         for lo, hi in example_chunks(x.shape[0], g.shape[-1] * x.shape[-1]):
