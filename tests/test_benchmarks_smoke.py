@@ -28,6 +28,7 @@ SCRIPTS = {  # module -> a row its smoke table must hold
     "perf.dask_engine": "| dask (dask_topk) |",
     "perf.data_memory": "| 2,000 |",
     "perf.startup": "| missing data file |",
+    "perf.index_memory": "| first batch |",
     "perf.exact_pass": "| capture (GradientRows, k = 32) |",
     "perf.peer_bergson": "| gradian |",
     "perf.peer_kronfluence": "| exact |",
@@ -39,7 +40,7 @@ STUDY_FILES = {
     "studies.lds": "seeds.fact.json",
     "perf.ann_search": "ann_search.clustered.json",  # one result file per --data
 }
-NEEDS_SMOLLM2_TOKENIZER = {"perf.index_size", "perf.peer_bergson", "studies.fidelity"}
+NEEDS_SMOLLM2_TOKENIZER = {"perf.index_memory", "perf.index_size", "perf.peer_bergson", "studies.fidelity"}
 
 
 def run_smoke(module: str, out: Path) -> subprocess.CompletedProcess:
