@@ -46,7 +46,8 @@ stack (tests/test_layout.py fails on any import circle and names it):
     bottom                     errors.py, specs.py (IndexSpec, QuerySpec: every grads.* and query.* setting,
                                checked once), config.py (omegaconf), data.py (rows -> batches; ids),
                                hub.py (from_pretrained, pad token, file hash), versions.py,
-                               extras.py (optional packages: import, or one line naming the extra)
+                               extras.py (optional packages: import, or one line naming the extra),
+                               interrupts.py (Ctrl-C inside a Lightning Trainer call stays KeyboardInterrupt)
 
 One batch, indexing:
     JSONL rows --data.JsonlDataset--> examples (input_ids, labels: prompt = -100)

@@ -2,6 +2,7 @@
 answer, and the command end to end on a tiny model, killed and resumed."""
 
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -207,6 +208,34 @@ def test_validate_end_to_end_matches_an_independent_lds_and_resumes(tmp_path, sa
         reference_spearman(first[:, q] - first.mean(axis=1), second[:, q] - second.mean(axis=1)) for q in range(3)
     ]
     assert report["ceiling"]["centred_lds"] == pytest.approx(np.nanmean(centred_ceiling), abs=1e-9)
+
+
+def test_ctrl_c_inside_a_retraining_run_exits_130_with_gradians_line(tmp_path, saved_model, capfd, monkeypatch):
+    """Ctrl-C while Lightning trains a subset: Lightning catches the KeyboardInterrupt, logs its own
+    line and calls sys.exit(1); `gradian validate` still exits 130 with the line
+    docs/troubleshooting.md promises, and the SIGINT handler Lightning ignored is put back."""
+    from gradian_lightning.validation.retrain import FineTune
+
+    common = _index(tmp_path, saved_model, capfd)
+    real, steps = FineTune.training_step, []
+
+    def interrupted_at_the_third_step(self, batch, batch_idx):
+        steps.append(batch_idx)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real(self, batch, batch_idx)
+
+    monkeypatch.setattr(FineTune, "training_step", interrupted_at_the_third_step)
+    handler = signal.getsignal(signal.SIGINT)
+    settings = ["validate.num_subsets=5", "validate.epochs=1", "validate.batch_size=2", "validate.repeats=1"]
+    assert main(["validate", *common, f"validate.output={tmp_path / 'v'}", *settings]) == 130
+    out, err = capfd.readouterr()
+    assert (
+        "gradian validate: interrupted: the finished training runs are kept; rerun the same command to resume from them"
+        in err
+    )
+    assert "Detected KeyboardInterrupt" not in out + err and "Traceback" not in err
+    assert len(steps) == 3 and signal.getsignal(signal.SIGINT) is handler
 
 
 def test_a_parquet_file_with_renamed_columns_validates_as_its_jsonl_twin(tmp_path, saved_model, capsys):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import signal
 import sys
 import warnings
 from functools import partial
@@ -31,6 +30,7 @@ from gradian_lightning.hub import load_model_and_tokenizer, normalized_name, pad
 from gradian_lightning.index.layout import IndexMeta, stored_meta
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.writer import StoredIds
+from gradian_lightning.interrupts import RANK_ZERO_LOGGERS, keyboard_interrupt
 from gradian_lightning.recipes.plan import format_index_start, index_layout
 from gradian_lightning.saved_models import load_saved_model, saved_models
 from gradian_lightning.specs import IndexSpec
@@ -55,44 +55,14 @@ class _NoAdvert(logging.Filter):
         return "litlogger" not in str(record.msg)
 
 
-# Lightning's rank-zero messages go to whichever of these two loggers was set up last.
-_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
-for _name_ in _RANK_ZERO_LOGGERS:
+for _name_ in RANK_ZERO_LOGGERS:
     logging.getLogger(_name_).addFilter(_NoAdvert())
 
 
-class _NoInterruptLine(logging.Filter):
-    """Drops Lightning's "Detected KeyboardInterrupt" line while gradian index runs: gradian says
-    what was kept and how to resume instead (cli.py)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Detected KeyboardInterrupt" not in str(record.msg)
-
-
 def validate_or_interrupt(trainer: L.Trainer, module: L.LightningModule, loader: DataLoader) -> None:
-    """`trainer.validate`, with Ctrl-C raised as the KeyboardInterrupt it was.
-
-    Lightning catches KeyboardInterrupt itself (`_call_and_handle_interrupt`): it calls the
-    callbacks' `on_exception` (the indexer keeps its rows there), ignores SIGINT from then on, logs
-    its own line and calls `sys.exit(1)`. The SystemExit it raises carries the KeyboardInterrupt as
-    its context; that alone is turned back into KeyboardInterrupt, with the SIGINT handler restored.
-    """
-    handler = signal.getsignal(signal.SIGINT)
-    quiet = _NoInterruptLine()
-    loggers = [logging.getLogger(name) for name in _RANK_ZERO_LOGGERS]
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
+    """`trainer.validate`, with Ctrl-C raised as the KeyboardInterrupt it was (interrupts.py)."""
+    with keyboard_interrupt():
         trainer.validate(module, dataloaders=loader, verbose=False)
-    except SystemExit as err:
-        if not isinstance(err.__context__, KeyboardInterrupt):
-            raise
-        raise KeyboardInterrupt from None
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
-        if handler is not None:  # None: a handler not set from Python, which cannot be put back
-            signal.signal(signal.SIGINT, handler)
 
 
 class IndexProgressBar(TQDMProgressBar):

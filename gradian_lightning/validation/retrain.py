@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.gradients.loss import supervised_token_loss
 from gradian_lightning.hub import pad_token_id
+from gradian_lightning.interrupts import keyboard_interrupt
 
 
 class FineTune(L.LightningModule):
@@ -75,7 +76,8 @@ def fine_tune(
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         trainer = L.Trainer(max_epochs=epochs, **{**quiet, **trainer_kwargs})
-        trainer.fit(module, loader)
+        with keyboard_interrupt():  # Ctrl-C stays KeyboardInterrupt: `gradian validate` says what was kept
+            trainer.fit(module, loader)
 
 
 def query_losses(
