@@ -10,13 +10,18 @@ An entry is either
 Steps (the key of each checkpoint in the index) and learning rates:
   - a `.ckpt` is keyed by its `global_step`, with the learning rate of its first optimizer's first
     parameter group (`optimizer_states[0]["param_groups"][0]["lr"]`) at the time it was saved;
-  - a Hugging Face directory has neither: it is keyed one step after the entry before it (0 when
-    first), which is its position in a list without `.ckpt` files, and has no learning rate.
+  - a Hugging Face Trainer checkpoint directory (`output_dir/checkpoint-<step>`, which holds
+    `trainer_state.json`) is keyed by that file's `global_step`, with the learning rate the Trainer
+    last logged at or before that step (`log_history`; none when it logged none);
+  - any other Hugging Face directory (or hub name) has neither: it is keyed one step after the
+    entry before it (0 when first), its position in a list of such directories, and has no
+    learning rate.
 Every entry must be keyed later than the one before it, so two checkpoints never share a step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -58,17 +63,54 @@ def saved_models(entries: Sequence[str]) -> List[SavedModel]:
     out: List[SavedModel] = []
     for entry in entries:
         entry = str(entry)
+        keyed = None  # (global step, learning rate) where the entry records them
         if is_lightning_checkpoint(entry):
             ckpt = read_lightning_checkpoint(entry)
-            step, lr = ckpt["global_step"], _first_lr(ckpt)
+            keyed = ckpt["global_step"], _first_lr(ckpt)
+        else:
+            keyed = read_trainer_state(entry)
+        if keyed is None:
+            step, lr = (out[-1].step + 1 if out else 0), None
+        else:
+            step, lr = keyed
             if out and step <= out[-1].step:
                 raise ConfigError(
-                    f"setting 'model.checkpoints' lists {entry!r} (global step {step}) after {out[-1].entry!r} (step {out[-1].step}); list the checkpoints oldest first, each .ckpt at a later global step than the entry before it (a Hugging Face directory counts one step after the entry before it, 0 when first)"
+                    f"setting 'model.checkpoints' lists {entry!r} (global step {step}) after {out[-1].entry!r} (step {out[-1].step}); list the checkpoints oldest first, each .ckpt or Trainer checkpoint-<step> directory at a later global step than the entry before it (any other Hugging Face directory counts one step after the entry before it, 0 when first)"
                 )
-        else:
-            step, lr = (out[-1].step + 1 if out else 0), None
         out.append(SavedModel(entry, step, lr))
     return out
+
+
+# What the Hugging Face Trainer writes into each checkpoint-<step> directory beside the model.
+TRAINER_STATE = "trainer_state.json"
+
+
+def read_trainer_state(entry: str) -> Optional[Tuple[int, Optional[float]]]:
+    """(global step, learning rate) of a Hugging Face Trainer checkpoint directory, from its
+    `trainer_state.json`: the learning rate is the last one the Trainer logged (`log_history`) at or
+    before that step, None when it logged none. None for an entry without that file (another
+    directory, a hub name). One `ConfigError` line for a file that is not a Trainer state."""
+    path = os.path.join(os.path.expanduser(str(entry)), TRAINER_STATE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(entry)!r}, whose {TRAINER_STATE} cannot be read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); restore the file the Trainer wrote, or delete it to key the directory by its position in the list"
+        ) from None
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(
+            f"setting 'model.checkpoints' lists {str(entry)!r}, whose {TRAINER_STATE} holds no global_step; restore the file the Trainer wrote, or delete it to key the directory by its position in the list"
+        )
+    logged = [
+        h
+        for h in state.get("log_history") or []
+        if isinstance(h, dict) and isinstance(h.get("learning_rate"), (int, float)) and h.get("step", 0) <= step
+    ]
+    return step, (float(logged[-1]["learning_rate"]) if logged else None)
 
 
 def load_saved_model(model_cfg: DictConfig, entry: str) -> Tuple[Any, Any]:

@@ -13,6 +13,7 @@ from gradian_lightning import HFGradientIndexer, IndexSession, IndexSpec, open_i
 from gradian_lightning.data import JsonlDataset, collate
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.hf_callback import batch_starts, check_sharding, trainer_collate
+from gradian_lightning.saved_models import saved_models
 
 SETTINGS = {"module_filter": ["down_proj", "q_proj"], "projection_dim": 4, "storage_dtype": "float32", "seed": 3}
 
@@ -136,6 +137,30 @@ def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer,
     for step in (2, 4):
         reference = session_rows(tmp_path, tokenizer, dataset, snapshots.seen[step]["weights"], 4, step)
         assert_same_rows(index.at(step), reference)
+
+
+def test_model_checkpoints_key_trainer_checkpoint_dirs_as_the_callback_does(tmp_path, tokenizer, dataset):
+    """`model.checkpoints` listing the Trainer's own checkpoint-<step> directories keys each by the
+    global step in its trainer_state.json, with the learning rate the Trainer logged at that step:
+    what HFGradientIndexer(checkpoints=True) records at the same saves."""
+    indexer = HFGradientIndexer(tmp_path / "ix", dataset, at="save", batch_size=4, checkpoints=True, **SETTINGS)
+    train(tmp_path, tokenizer, dataset, [indexer], save_steps=2, save_strategy="steps", save_only_model=True)
+    folders = [str(tmp_path / "out" / f"checkpoint-{s}") for s in (2, 4)]
+    listed = saved_models([str(tmp_path / "base"), *folders])
+    recorded = [(e["step"], e["lr"]) for e in open_index(tmp_path / "ix").checkpoints]
+    assert recorded == [(2, 0.0075), (4, 0.0025)]
+    assert [(s.step, s.lr) for s in listed] == [(0, None), *recorded]  # a plain directory first: step 0, no rate
+    with pytest.raises(ConfigError, match="oldest first") as e:
+        saved_models(folders[::-1])
+    assert "model.checkpoints" in str(e.value) and "\n" not in str(e.value)
+    state = tmp_path / "out" / "checkpoint-4" / "trainer_state.json"
+    state.write_text("{not json")
+    with pytest.raises(ConfigError, match="trainer_state.json cannot be read") as e:
+        saved_models(folders)
+    assert "\n" not in str(e.value)
+    state.write_text('{"log_history": []}')
+    with pytest.raises(ConfigError, match="holds no global_step"):
+        saved_models(folders)
 
 
 class Killed(Exception):
