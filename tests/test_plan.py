@@ -6,6 +6,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+import zarr
 from conftest import MAPPED, ROWS, make_model, saved_activation_bytes, write_jsonl, write_renamed_parquet
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader
@@ -182,3 +183,40 @@ def sorted_counts(model_dir, rows):
     return sorted((sum(t != -100 for t in e.labels[1:]) for e in examples), reverse=True), max(
         len(e.input_ids) for e in examples
     )
+
+
+def _array_bytes(group):
+    """Uncompressed bytes of every array under a zarr group, at any depth."""
+    return sum(a.nbytes for _, a in group.arrays()) + sum(_array_bytes(g) for _, g in group.groups())
+
+
+def test_plan_says_which_path_gradian_query_takes_and_what_the_exact_pass_caches(tmp_path, wide_model, capsys):
+    """The query line of `gradian plan` is the line `gradian query` prints for query.method=auto
+    (the same method, cost and budget), and the factor cache it predicts is the bytes the exact
+    pass then stores under index.path/factors/."""
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    queries = write_jsonl(tmp_path / "queries.jsonl", ROWS[:2])
+    common = [
+        "configs/smollm2.yaml",
+        f"model.name_or_path={wide_model}",
+        f"data.train={data}",
+        f"index.path={tmp_path / 'ix'}",
+        f"query.data={queries}",
+        f"query.output={tmp_path / 'results.jsonl'}",
+        "grads.batch_size=4",
+        "trainer.enable_progress_bar=false",
+    ]
+    assert main(["plan", *common, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["query"]
+    assert plan["method"] == "exact" and plan["why"].startswith("query.method=auto: exact (")
+    assert main(["plan", *common]) == 0
+    assert plan["why"] in capsys.readouterr().out
+    assert main(["index", *common]) == 0 and main(["query", *common]) == 0
+    assert plan["why"] in capsys.readouterr().out
+    stored = _array_bytes(zarr.open_group(str(tmp_path / "ix" / "factors"), mode="r"))
+    assert stored == plan["factor_cache_bytes"] > 0
+    assert main(["plan", *common, "query.exact_budget=1000", "--json"]) == 0  # past the budget
+    past = json.loads(capsys.readouterr().out)["query"]
+    assert past["method"] == "index" and "above query.exact_budget=1e+03" in past["why"]
+    assert main(["query", *common, "query.exact_budget=1000"]) == 0
+    assert past["why"] in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
     exact_estimator(QuerySpec)    what the exact pass computes: the one place "auto" is resolved
     resolve_method                query.method=auto: the exact pass within query.exact_budget, else the index
+                                  (choose_method: the rule itself, which `gradian plan` applies too)
     TrainBatches                  the index's training rows, tokenised and batched as indexing did
     exact_modules                 the index's modules in a checkpoint's model, checked against it
     factor_set_key / factor_set   what a cached factor set was fitted from; `Factors` <-> arrays
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -97,27 +98,55 @@ def exact_estimator(spec: QuerySpec, checkpoints: int = 1) -> ExactEstimator:
     return ExactEstimator(spec.precondition, cosine, float(spec.damping), None if horizon is None else float(horizon))
 
 
+def exact_cost(supervised: int, checkpoints: int, weights: int) -> Tuple[float, str]:
+    """What query.method=auto weighs against `query.exact_budget`: (supervised training tokens +
+    `FIXED_COST_TOKENS`) x checkpoints summed x the selected modules' weights (out x in summed), and
+    the same as the text the summary line shows."""
+    value = float((supervised + FIXED_COST_TOKENS) * checkpoints) * weights
+    text = f"({supervised:,} supervised tokens + {FIXED_COST_TOKENS:,}) x {checkpoints} checkpoint(s) x {weights:,} weights = {value:.2g}"
+    return value, text
+
+
+def factor_set_bytes(shapes: Iterable[Tuple[int, int]]) -> int:
+    """Bytes of one checkpoint's factor set in index.path/factors/ before compression, for modules
+    of weight shapes (out, in): `Factors.state()` in float32, q_a [in, in], lam_a [in], q_g [out, out],
+    lam_g [out] and eigenvalues [out, in] each."""
+    return 4 * sum(i * i + i + o * o + o + o * i for o, i in shapes)
+
+
 def resolve_method(
     spec: QuerySpec, index: IndexReader, checkpoints: int, why_not_exact: Callable[[], Optional[str]] = lambda: None
 ) -> Tuple[QuerySpec, str]:
-    """query.method=auto made concrete, and a line saying why (empty for an explicit method).
+    """query.method=auto made concrete for `index` (`choose_method` on its rankable rows' supervised
+    tokens and its modules' weights), and a line saying why (empty for an explicit method)."""
+    if spec.method != "auto":
+        return spec, ""
+    supervised = int(index.column("supervised_tokens")[index.rankable(0, len(index))].sum())
+    weights = sum(b.out_features * b.in_features for b in index.meta.blocks)
+    return choose_method(spec, supervised, checkpoints, weights, why_not_exact)
+
+
+def choose_method(
+    spec: QuerySpec,
+    supervised: int,
+    checkpoints: int,
+    weights: int,
+    why_not_exact: Callable[[], Optional[str]] = lambda: None,
+) -> Tuple[QuerySpec, str]:
+    """query.method=auto's rule, from the numbers `gradian plan` knows before an index exists too.
 
     A setting only one method has decides (`QuerySpec.forced_method`); else the exact pass while
-    its cost, (the index's supervised tokens (rows the query can rank) + `FIXED_COST_TOKENS`) x
-    `checkpoints` x the selected modules' weights, is within `spec.exact_budget`,
-    and the index path past that or where `why_not_exact()` (the training data is gone or changed, a
-    Dask engine or token scores were asked for) says it cannot run: asked only within the budget,
-    since it reads and fingerprints the training data."""
+    its cost (`exact_cost`) is within `spec.exact_budget`, and the index path past that or where
+    `why_not_exact()` (the training data is gone or changed, a Dask engine or token scores were asked
+    for) says it cannot run: asked only within the budget, since it reads and fingerprints the
+    training data."""
     if spec.method != "auto":
         return spec, ""
     forced = spec.forced_method()
     if forced is not None:
         return replace(spec, method=forced), f"query.method=auto: {forced} (asked for by the query.* settings)"
-    supervised = int(index.column("supervised_tokens")[index.rankable(0, len(index))].sum())
-    tokens = (supervised + FIXED_COST_TOKENS) * checkpoints
-    weights = sum(b.out_features * b.in_features for b in index.meta.blocks)
-    cost = f"({supervised:,} supervised tokens + {FIXED_COST_TOKENS:,}) x {checkpoints} checkpoint(s) x {weights:,} weights = {float(tokens) * weights:.2g}"
-    if float(tokens) * weights > spec.exact_budget:
+    value, cost = exact_cost(supervised, checkpoints, weights)
+    if value > spec.exact_budget:
         return replace(
             spec, method="index"
         ), f"query.method=auto: index ({cost}, above query.exact_budget={spec.exact_budget:.2g})"

@@ -24,7 +24,7 @@ from gradian_lightning.data import IGNORE_INDEX, Fields, TokenizedRows
 from gradian_lightning.data_sources import open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError
 from gradian_lightning.gradients.batch import GradientRows
-from gradian_lightning.gradients.capture import linear_features
+from gradian_lightning.gradients.capture import linear_features, select_modules
 from gradian_lightning.gradients.memory import (
     FP32_BYTES,
     SUGGESTED_LOSS_CHUNK_TOKENS,
@@ -36,7 +36,8 @@ from gradian_lightning.gradients.recompute import recomputed_units
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 from gradian_lightning.index.layout import NUMPY_DTYPE
 from gradian_lightning.index.statistics import statistics_bytes
-from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec
+from gradian_lightning.query.exact_scoring import QUERY_BYTES, choose_method, exact_cost, factor_set_bytes
+from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec, QuerySpec
 
 # Byte units, lower-cased: bytes, decimal (kb ... tb) and binary (kib ... tib).
 _UNITS = {"": 1, "b": 1, **{f"{p}b": 10 ** (3 * n) for n, p in enumerate("kmgt", 1)}}
@@ -272,6 +273,33 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
     }
 
 
+def query_plan(cfg: DictConfig, model: torch.nn.Module, spec: IndexSpec, supervised: int) -> Dict[str, Any]:
+    """What `gradian query` at `cfg.query.*` will run on the index these settings build: the method
+    query.method=auto chooses (`choose_method`, the rule `gradian query` applies, with the training
+    data taken as there), why, and the exact pass's own bytes: one checkpoint's factor set, cached
+    under index.path/factors/ (uncompressed), and one query's full-space directions in memory.
+
+    `supervised` is the training rows' supervised tokens in all; `model` may live on the meta device."""
+    q = QuerySpec.from_config(cfg.query)
+    saved = len(cfg.model.checkpoints or []) or 1
+    chosen = 1 if q.checkpoints == "last" else len(q.checkpoints) if isinstance(q.checkpoints, tuple) else saved
+    shapes = [linear_features(m) for m in select_modules(model, list(spec.module_filter)).values()]
+    weights = sum(o * i for o, i in shapes)
+    resolved, why = choose_method(q, supervised, chosen, weights)
+    factors = factor_set_bytes(shapes)
+    return {
+        "method": resolved.method,
+        "why": why or f"query.method={q.method}",
+        "cost": exact_cost(supervised, chosen, weights)[0],
+        "exact_budget": q.exact_budget,
+        "checkpoints": chosen,
+        "factor_set_bytes": factors,
+        "factor_cache_bytes": factors * chosen,
+        "query_direction_bytes": 4 * weights,
+        "queries_per_pass": max(1, QUERY_BYTES // max(4 * weights, 1)),
+    }
+
+
 def format_index_start(rows: int, layout: Dict[str, Any], storage_dtype: str, path: str, checkpoints: int = 1) -> str:
     """The line `gradian index` prints before its first batch: the predicted size of the whole
     index, `checkpoints` times the rows of one (each checkpoint has its rows and statistics)."""
@@ -376,6 +404,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
         ),
         "suggested_loss_chunk_tokens": SUGGESTED_LOSS_CHUNK_TOKENS,
         "index": index_layout(model, spec, len(counts)),
+        "query": query_plan(cfg, model, spec, int(counts.sum())),
     }
 
 
@@ -432,4 +461,12 @@ def format_plan(plan: Dict[str, Any]) -> str:
     lines.append(
         f"  index on disk ({n} rows × width {ix['width']:,} from {ix['modules']} modules, uncompressed, {human_bytes(ix['statistics_bytes'])} of it row statistics): {sizes}"
     )
+    q = plan["query"]
+    lines.append(f"  gradian query: {q['why']}")
+    if q["method"] == "exact":
+        lines.append(
+            f"    the exact pass: factors cached under index.path/factors/ {human_bytes(q['factor_cache_bytes'])} "
+            f"({q['checkpoints']} checkpoint(s), uncompressed); {human_bytes(q['query_direction_bytes'])} of directions a query in memory, "
+            f"{q['queries_per_pass']} queries a pass over the training rows"
+        )
     return "\n".join(lines)
