@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--recall-queries", type=int, default=64, help="queries recall@10 is counted over")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shard-rows", type=int, default=None, help="query.ann_shard_rows (default: the setting's)")
+    parser.add_argument("--sketch-dim", type=int, default=None, help="query.ann_sketch_dim (default: the setting's)")
     parser.add_argument(
         "--settings",
         default=None,
@@ -161,6 +162,7 @@ def main() -> None:
     faiss.omp_set_num_threads(args.threads)
     label = args.label or ("real" if args.index else args.data)
     base = {"search": "ann", **({"ann_shard_rows": args.shard_rows} if args.shard_rows else {})}
+    base.update({"ann_sketch_dim": args.sketch_dim} if args.sketch_dim else {})
     spec = QuerySpec(**base)
     settings = parse_settings(args.settings) if args.settings else [(spec.ann_nprobe, spec.ann_candidates)]
     with contextlib.ExitStack() as stack:
