@@ -55,11 +55,21 @@ def structured(kind: str, count: int, width: int, basis, generator):
 
 
 def write_index(path: Path, kind: str, rows: int, width: int, modules: int, rows_per_chunk: int, basis, generator):
+    """The synthetic index at `path`; an index this script wrote there before with the same
+    arguments (`--keep`, then `--reuse`) is opened instead, its rows drawn again and dropped so that
+    `generator` draws the same queries after them."""
     import torch
 
     from gradian_lightning import open_index
     from gradian_lightning.index.writer import IndexWriter
 
+    if (path / "zarr.json").is_file():
+        index = open_index(path)
+        assert (len(index), index.meta.width) == (rows, width), "--reuse: another --rows or --width"
+        step = index.reader.grads.chunks[0] * max(1, 4096 // index.reader.grads.chunks[0])
+        for lo in range(0, rows, step):
+            structured(kind, min(lo + step, rows) - lo, width, basis, generator)
+        return index
     size = width // modules
     blocks = [{"name": f"m{i}", "offset": i * size, "size": size} for i in range(modules)]
     meta = {"fingerprint": "ann-bench", "modules": blocks}
@@ -139,6 +149,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch and FAISS threads (the machine is shared)")
     parser.add_argument("--dir", default=None, help="where to write the index (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the written index (under --dir) for another run")
+    parser.add_argument(
+        "--reuse", default=None, help="the folder a --keep run wrote (same --rows, --width, --data): measure it again"
+    )
     parser.add_argument("--smoke", action="store_true", help="3000 × 1024 rows, 8 queries, one repeat: seconds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -181,18 +194,20 @@ def main() -> None:
                     torch.randn(RANK, args.width, generator=generator)
                     / torch.arange(1, RANK + 1).float().sqrt()[:, None]
                 )
-            tmp = (
-                Path(tempfile.mkdtemp(dir=args.dir))
-                if args.keep
-                else Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir)))
-            )
+            if args.reuse:
+                tmp = Path(args.reuse)
+            elif args.keep:
+                tmp = Path(tempfile.mkdtemp(dir=args.dir))
+            else:
+                tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir)))
             where = tmp / "ix"
-            note(f"writing {args.rows:,} × {args.width} rows to {where}")
+            reused = (where / "zarr.json").is_file()
+            note(f"{'drawing again' if reused else 'writing'} {args.rows:,} × {args.width} rows of {where}")
             start = time.perf_counter()
             index = write_index(
                 where, args.data, args.rows, args.width, args.modules, args.rows_per_chunk, basis, generator
             )
-            write_s = time.perf_counter() - start
+            write_s = None if reused else time.perf_counter() - start
             asked = structured(args.data, args.recall_queries, args.width, basis, generator)
         queries = asked[: args.queries]
         specs = [QuerySpec(**base, ann_nprobe=n, ann_candidates=c) for n, c in settings]
@@ -271,7 +286,7 @@ def main() -> None:
         else:
             what = (
                 f"{num_rows:,} × {width} int8 synthetic {args.data} rows ({args.modules} equal modules, "
-                f"{chunk} rows a chunk), written in {write_s:.0f} s; {len(queries)} queries at once, top 10; recall over "
+                f"{chunk} rows a chunk), {'written by an earlier run of the same arguments with --keep' if reused else f'written in {write_s:.0f} s'}; {len(queries)} queries at once, top 10; recall over "
                 f"{len(asked)} queries"
             )
     header = [
