@@ -178,8 +178,8 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
         np.concatenate([index.rankable(a, min(a + READ_ROWS, hi)) for a in range(lo, hi, READ_ROWS)])
     )
     # The shard's sketched rows are filled into one array made up front: kept as one small array a
-    # chunk between the reads' larger temporaries, they fragmented the heap (16.8 GB RSS, from 2 GB
-    # of rows, at 10⁶ rows of 64 a chunk: RESULTS §15).
+    # chunk between the reads' larger temporaries, they grew the process to 16.8 GB RSS from 2 GB of
+    # rows at 10⁶ rows of 64 a chunk (heap fragmentation, by our reading; 3.6 GiB since: RESULTS §15).
     x = np.empty((len(positions), sketch.out_dim), dtype=np.float32)
     step = index.grads.chunks[0] * max(1, READ_ROWS // index.grads.chunks[0])
     filled = 0
