@@ -28,10 +28,14 @@ recall@10 is the share of the exact top 10 that the ANN path returns, over all q
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List, Tuple
 
 from benchmarks.common import bytes_on_disk, fmt_bytes, peak_rss_rise, write_result
 
@@ -51,11 +55,21 @@ def structured(kind: str, count: int, width: int, basis, generator):
 
 
 def write_index(path: Path, kind: str, rows: int, width: int, modules: int, rows_per_chunk: int, basis, generator):
+    """The synthetic index at `path`; an index this script wrote there before with the same
+    arguments (`--keep`, then `--reuse`) is opened instead, its rows drawn again and dropped so that
+    `generator` draws the same queries after them."""
     import torch
 
     from gradian_lightning import open_index
     from gradian_lightning.index.writer import IndexWriter
 
+    if (path / "zarr.json").is_file():
+        index = open_index(path)
+        assert (len(index), index.meta.width) == (rows, width), "--reuse: another --rows or --width"
+        step = index.reader.grads.chunks[0] * max(1, 4096 // index.reader.grads.chunks[0])
+        for lo in range(0, rows, step):
+            structured(kind, min(lo + step, rows) - lo, width, basis, generator)
+        return index
     size = width // modules
     blocks = [{"name": f"m{i}", "offset": i * size, "size": size} for i in range(modules)]
     meta = {"fingerprint": "ann-bench", "modules": blocks}
@@ -76,6 +90,41 @@ def write_index(path: Path, kind: str, rows: int, width: int, modules: int, rows
     return open_index(path)
 
 
+def parse_settings(text: str) -> List[Tuple[int, int]]:
+    """`--settings` "NPROBE:CANDIDATES,..." -> [(query.ann_nprobe, query.ann_candidates), ...]."""
+    pairs = [item.split(":") for item in text.split(",") if item]
+    if not pairs or any(len(p) != 2 or not all(x.isdigit() and int(x) > 0 for x in p) for p in pairs):
+        raise SystemExit(f"--settings {text!r}: give NPROBE:CANDIDATES pairs of positive integers, e.g. 32:100,128:200")
+    return [(int(a), int(b)) for a, b in pairs]
+
+
+def real_queries(index, model_dir: str, query_data: str, batch_size: int):
+    """float32 [Q, D]: the rows of `query_data` (JSONL) made by `query_gradients` with the saved
+    model at `model_dir`, as `gradian query` makes them for `index`."""
+    import json
+
+    from gradian_lightning.config import load_config
+    from gradian_lightning.hub import load_model_and_tokenizer
+    from gradian_lightning.query.rows import query_gradients
+
+    model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={model_dir}"]).model)
+    rows = [json.loads(line) for line in Path(query_data).read_text().splitlines() if line.strip()]
+    return query_gradients(index.reader, model.eval(), tokenizer, rows, batch_size)
+
+
+def times_faster(ratio: float) -> str:
+    return f"{ratio:.1f}×" if ratio < 10 else f"{ratio:.0f}×"
+
+
+def note(message: str) -> None:
+    """A progress line on stderr (the long runs are polled from their logs)."""
+    print(
+        f"[{time.strftime('%H:%M:%S')} load {' '.join(f'{x:.2f}' for x in os.getloadavg())}] {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
@@ -83,21 +132,40 @@ def main() -> None:
     parser.add_argument("--modules", type=int, default=16)
     parser.add_argument("--data", choices=("clustered", "lowrank"), default="clustered")
     parser.add_argument("--rows-per-chunk", type=int, default=64)
+    parser.add_argument("--index", default=None, help="measure this existing index instead of writing synthetic rows")
+    parser.add_argument("--query-data", default=None, help="with --index: the JSONL rows to query it with")
+    parser.add_argument("--model", default=None, help="with --index: the saved model that makes the query rows")
+    parser.add_argument("--label", default=None, help="the result's name and data column (default: --data, or real)")
     parser.add_argument("--queries", type=int, default=8, help="queries per timed batch")
     parser.add_argument("--recall-queries", type=int, default=64, help="queries recall@10 is counted over")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shard-rows", type=int, default=None, help="query.ann_shard_rows (default: the setting's)")
+    parser.add_argument("--sketch-dim", type=int, default=None, help="query.ann_sketch_dim (default: the setting's)")
+    parser.add_argument(
+        "--settings",
+        default=None,
+        help="NPROBE:CANDIDATES pairs to measure, one ANN build for all, e.g. 32:100,128:200 (default: the settings' defaults)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch and FAISS threads (the machine is shared)")
     parser.add_argument("--dir", default=None, help="where to write the index (default: a temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the written index (under --dir) for another run")
+    parser.add_argument(
+        "--reuse", default=None, help="the folder a --keep run wrote (same --rows, --width, --data): measure it again"
+    )
     parser.add_argument("--smoke", action="store_true", help="3000 × 1024 rows, 8 queries, one repeat: seconds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
         args.rows, args.width, args.queries, args.recall_queries, args.repeats = 3000, 1024, 8, 8, 1
+    if args.index and not (args.query_data and args.model):
+        raise SystemExit(
+            "--index needs --query-data and --model (the rows to query it with, and the model that makes them)"
+        )
 
     import faiss
     import torch
 
+    from gradian_lightning import open_index
     from gradian_lightning.query import ann
     from gradian_lightning.query.scorer import checkpoint_scorers
     from gradian_lightning.query.topk import streaming_topk
@@ -105,91 +173,156 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
-    generator = torch.Generator().manual_seed(0)
-    if args.data == "clustered":
-        basis = torch.randn(max(1, args.rows // 50), args.width, generator=generator)
-    else:
-        basis = torch.randn(RANK, args.width, generator=generator) / torch.arange(1, RANK + 1).float().sqrt()[:, None]
-    settings = {"search": "ann", **({"ann_shard_rows": args.shard_rows} if args.shard_rows else {})}
-    spec = QuerySpec(**settings)
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        start = time.perf_counter()
-        index = write_index(
-            Path(tmp) / "ix", args.data, args.rows, args.width, args.modules, args.rows_per_chunk, basis, generator
-        )
-        write_s = time.perf_counter() - start
-        asked = structured(args.data, args.recall_queries, args.width, basis, generator)
+    label = args.label or ("real" if args.index else args.data)
+    base = {"search": "ann", **({"ann_shard_rows": args.shard_rows} if args.shard_rows else {})}
+    base.update({"ann_sketch_dim": args.sketch_dim} if args.sketch_dim else {})
+    spec = QuerySpec(**base)
+    settings = parse_settings(args.settings) if args.settings else [(spec.ann_nprobe, spec.ann_candidates)]
+    with contextlib.ExitStack() as stack:
+        if args.index:
+            where = Path(args.index)
+            index = open_index(where)
+            note(f"querying {len(index):,} rows of {where}")
+            asked = real_queries(index, args.model, args.query_data, args.queries)[: args.recall_queries]
+            write_s = None
+        else:
+            generator = torch.Generator().manual_seed(0)
+            if args.data == "clustered":
+                basis = torch.randn(max(1, args.rows // 50), args.width, generator=generator)
+            else:
+                basis = (
+                    torch.randn(RANK, args.width, generator=generator)
+                    / torch.arange(1, RANK + 1).float().sqrt()[:, None]
+                )
+            if args.reuse:
+                tmp = Path(args.reuse)
+            elif args.keep:
+                tmp = Path(tempfile.mkdtemp(dir=args.dir))
+            else:
+                tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir)))
+            where = tmp / "ix"
+            reused = (where / "zarr.json").is_file()
+            note(f"{'drawing again' if reused else 'writing'} {args.rows:,} × {args.width} rows of {where}")
+            start = time.perf_counter()
+            index = write_index(
+                where, args.data, args.rows, args.width, args.modules, args.rows_per_chunk, basis, generator
+            )
+            write_s = None if reused else time.perf_counter() - start
+            asked = structured(args.data, args.recall_queries, args.width, basis, generator)
         queries = asked[: args.queries]
+        specs = [QuerySpec(**base, ann_nprobe=n, ann_candidates=c) for n, c in settings]
 
         def exact(queries=queries):
             return streaming_topk(checkpoint_scorers(index.reader, queries, spec))[0]
 
-        def approximate(queries=queries):
+        def approximate(queries=queries, spec=spec):
             return ann.ann_topk(checkpoint_scorers(index.reader, queries, spec, shortcut=False))[0]
 
         scorer = checkpoint_scorers(index.reader, queries, spec, shortcut=False)[0]
+        note("building the ANN index")
+        load_before = os.getloadavg()
         start = time.perf_counter()
         build_rss = peak_rss_rise(lambda: ann.open_ann(scorer))
         build_s = time.perf_counter() - start
-        exact_s, ann_s = [], []
+        note(f"built in {build_s:.0f} s; timing")
+        exact_s, ann_s = [], [[] for _ in specs]
         for _ in range(args.repeats):  # interleaved: both see the same load on the shared machine
             start = time.perf_counter()
             exact()
             exact_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            approximate()
-            ann_s.append(time.perf_counter() - start)
-        top, found = exact(asked), approximate(asked)
-        hits = sum(len(set(e.tolist()) & set(a.tolist())) for e, a in zip(top.indices, found.indices))
-        recall = hits / top.indices.numel()
-        exact_t, ann_t = statistics.median(exact_s), statistics.median(ann_s)
-        ann_bytes = bytes_on_disk(Path(tmp) / "ix" / ann.FOLDER)
-        grads_bytes = bytes_on_disk(Path(tmp) / "ix" / "grads")
-        shards = len(ann.shard_ranges(args.rows, spec.ann_shard_rows))
+            for times, each in zip(ann_s, specs):
+                start = time.perf_counter()
+                approximate(spec=each)
+                times.append(time.perf_counter() - start)
+            note(f"scan {exact_s[-1]:.1f} s, ann {[round(t[-1], 2) for t in ann_s]} s")
+        top = exact(asked)
+        hits = [
+            sum(len(set(e.tolist()) & set(a.tolist())) for e, a in zip(top.indices, approximate(asked, each).indices))
+            for each in specs
+        ]
+        load_after = os.getloadavg()
+        recalls = [h / top.indices.numel() for h in hits]
+        exact_t, ann_t = statistics.median(exact_s), [statistics.median(t) for t in ann_s]
+        ann_bytes = bytes_on_disk(where / ann.FOLDER)
+        grads_bytes = bytes_on_disk(where / "grads")
+        num_rows, width = len(index), index.meta.width
+        shards = len(ann.shard_ranges(num_rows, spec.ann_shard_rows))
         rows_out = [
             [
-                args.data,
-                f"{args.rows:,}",
+                label,
+                f"{num_rows:,}",
                 "exact scan",
-                f"{args.queries / exact_t:.1f}",
+                "",
+                f"{len(queries) / exact_t:.2f}",
                 "1.00",
+                "1.0×",
                 "",
                 "",
                 f"{fmt_bytes(grads_bytes)} (grads)",
-            ],
-            [
-                args.data,
-                f"{args.rows:,}",
-                "ann",
-                f"{args.queries / ann_t:.1f}",
-                f"{recall:.3f}",
-                f"{build_s:.1f}",
-                fmt_bytes(build_rss),
-                f"{fmt_bytes(ann_bytes)} ({ann_bytes / grads_bytes:.1%} of grads)",
-            ],
+            ]
         ]
-    header = ["data", "rows", "search", "queries/s", "recall@10", "build s", "build peak RSS rise", "bytes on disk"]
+        for i, ((nprobe, candidates), t, recall) in enumerate(zip(settings, ann_t, recalls)):
+            rows_out.append(
+                [
+                    label,
+                    f"{num_rows:,}",
+                    "ann",
+                    f"{nprobe} / {candidates}",
+                    f"{len(queries) / t:.1f}",
+                    f"{recall:.3f}",
+                    times_faster(exact_t / t),
+                    f"{build_s:.0f}" if i == 0 else "",
+                    fmt_bytes(build_rss) if i == 0 else "",
+                    f"{fmt_bytes(ann_bytes)} ({ann_bytes / grads_bytes:.1%} of grads)" if i == 0 else "",
+                ]
+            )
+        chunk = index.reader.grads.chunks[0]
+        if args.index:
+            what = (
+                f"{num_rows:,} × {width} {index.meta.storage_dtype} rows of a real model's gradients ({len(index.meta.blocks)} modules, "
+                f"{chunk} rows a chunk) in {where}; {len(queries)} queries at once (the first of {args.query_data}), top 10; "
+                f"recall over {len(asked)} queries"
+            )
+        else:
+            what = (
+                f"{num_rows:,} × {width} int8 synthetic {args.data} rows ({args.modules} equal modules, "
+                f"{chunk} rows a chunk), {'written by an earlier run of the same arguments with --keep' if reused else f'written in {write_s:.0f} s'}; {len(queries)} queries at once, top 10; recall over "
+                f"{len(asked)} queries"
+            )
+    header = [
+        "data",
+        "rows",
+        "search",
+        "nprobe / candidates",
+        "queries/s",
+        "recall@10",
+        "speed-up",
+        "build s",
+        "build peak RSS rise",
+        "bytes on disk",
+    ]
     text = (
-        f"{args.rows:,} × {args.width} int8 synthetic {args.data} rows ({args.modules} equal modules, "
-        f"{args.rows_per_chunk} rows a chunk), written in {write_s:.0f} s; {args.queries} queries at once, top 10; recall over "
-        f"{args.recall_queries} queries; scoring "
-        f"{scorer.describe()}; sketch to {spec.ann_sketch_dim} columns, {shards} shard(s), "
-        f"query.ann_candidates={spec.ann_candidates}, query.ann_nprobe={spec.ann_nprobe}; {args.threads} thread(s); "
-        f"medians of {args.repeats} interleaved runs, warm page cache. The ann time includes opening the "
-        f"shards from disk and reading the candidates back from the zarr rows; speed-up {exact_t / ann_t:.1f}×."
+        f"{what}; scoring {scorer.describe()}; sketch to {spec.ann_sketch_dim} columns, {shards} shard(s) of "
+        f"query.ann_shard_rows={spec.ann_shard_rows:,}, query.ann_nprobe / query.ann_candidates as in the table; "
+        f"{args.threads} thread(s); medians of {args.repeats} interleaved runs, warm page cache; load average "
+        f"{load_before[0]:.2f} before the build, {load_after[0]:.2f} at the end (1-minute). The ann time includes "
+        f"opening the shards from disk and reading the candidates back from the zarr rows."
     )
     write_result(
-        f"ann_search.{args.data}",
+        f"ann_search.{label}",
         text,
         [{"header": header, "rows": rows_out}],
         args.out,
-        recall_at_10=recall,
+        recall_at_10=recalls,
+        settings=settings,
         exact_s=exact_t,
         ann_s=ann_t,
+        write_s=write_s,
         build_s=build_s,
         build_rss=build_rss,
         ann_bytes=ann_bytes,
         grads_bytes=grads_bytes,
+        load_average=[list(load_before), list(load_after)],
     )
 
 

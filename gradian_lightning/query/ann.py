@@ -46,6 +46,8 @@ SKETCH_SEED = 0
 # IVF lists are trained on an even sample of this many rows a list: k-means time is linear in it,
 # and FAISS itself asks for at least 39.
 TRAIN_PER_LIST = 64
+# A shard is read, compared and sketched this many rows at a time (whole stored chunks, at least one).
+READ_ROWS = 4096
 # query.search=auto searches the ANN index from this many rows on. Measured (benchmarks/RESULTS.md
 # §15): at 10⁵ rows a batch of 8 queries is answered 3.7-6.4× faster than by the scan (the build,
 # 1-1.5 minutes once, not counted), and a scan of 10⁵ rows of the default width reads 9.2 GB. Below
@@ -172,19 +174,27 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
     if marker is not None and marker["identity"] == ident and fs.exists(data) and fs.size(data) == marker["bytes"]:
         return marker
     sketch = Sketch(index.meta.width, spec.ann_sketch_dim)
-    vectors, ids = [], []
-    step = index.grads.chunks[0]
+    positions = lo + np.flatnonzero(
+        np.concatenate([index.rankable(a, min(a + READ_ROWS, hi)) for a in range(lo, hi, READ_ROWS)])
+    )
+    # The shard's sketched rows are filled into one array made up front: kept as one small array a
+    # chunk between the reads' larger temporaries, they grew the process to 16.8 GB RSS from 2 GB of
+    # rows at 10⁶ rows of 64 a chunk (heap fragmentation, by our reading; 3.6 GiB since: RESULTS §15).
+    x = np.empty((len(positions), sketch.out_dim), dtype=np.float32)
+    step = index.grads.chunks[0] * max(1, READ_ROWS // index.grads.chunks[0])
+    filled = 0
     for a in range(lo - lo % step, hi, step):
         a, b = max(a, lo), min(a + step, hi)
         keep = torch.from_numpy(index.rankable(a, b))
         if keep.any():
             rows = index.decode(index.stored(a, b), a, b)[keep]
-            vectors.append(sketch(compared_rows(scorer, rows.to(scorer.device)).cpu()))
-            ids.append(torch.arange(a, b)[keep].numpy())
-    lists = _lists(sum(len(i) for i in ids))
+            x[filled : filled + len(rows)] = sketch(compared_rows(scorer, rows.to(scorer.device)).cpu())
+            filled += len(rows)
+    assert filled == len(positions)
+    lists = _lists(len(positions))
     found = faiss.index_factory(sketch.out_dim, _factory(lists), faiss.METRIC_INNER_PRODUCT)
-    if vectors:
-        x, positions = np.concatenate(vectors), np.concatenate(ids).astype(np.int64)
+    if len(positions):
+        positions = positions.astype(np.int64)
         found.train(x[:: max(1, len(x) // (TRAIN_PER_LIST * max(lists, 1)))])
         found.add_with_ids(x, positions)
     payload = faiss.serialize_index(found).tobytes()
