@@ -217,6 +217,16 @@ def retrieval(scores: np.ndarray, sources: List[List[int]]) -> Dict[str, float]:
     return {"recall@10": float(np.mean(recall)), "mrr": float(np.mean(reciprocal))}
 
 
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> Optional[Tuple[float, float]]:
+    """Mean and standard error over queries of per-query LDS `a` minus `b` (queries where either is
+    undefined left out), the same queries and retrained subsets on both sides; None under 2 queries."""
+    diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    diff = diff[np.isfinite(diff)]
+    if len(diff) < 2:
+        return None
+    return float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(len(diff)))
+
+
 def lds_figures(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, float]:
     """Raw and centred LDS (mean, standard error over queries) of a score matrix, as validate reports them."""
     raw, centred = (linear_datamodeling_score(scores, subsets, outputs, centred=c) for c in (False, True))
@@ -225,9 +235,17 @@ def lds_figures(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) ->
 
 
 def measure(
-    spec: SetSpec, work: Path, rows: List[Dict], queries: List[Dict], base_rows: List[Dict], command: str
+    spec: SetSpec,
+    work: Path,
+    rows: List[Dict],
+    queries: List[Dict],
+    base_rows: List[Dict],
+    command: str,
+    retrain_only: bool = False,
 ) -> Dict[str, Any]:
-    """Build, retrain and score one set; the result (also written to work/result.json)."""
+    """Build, retrain and score one set; the result (also written to work/result.json). With
+    `retrain_only`, only the first projected index is built and scored (validate needs an index),
+    by today's defaults alone: the models and retrained subsets for trajectory.py and estimators.py."""
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     write_rows(work / "train.jsonl", rows)
@@ -251,7 +269,9 @@ def measure(
             for s in spec.seeds
         ),
         ("exact", EXACT, {"grads.projection_dim": "null"}),
-    ]:
+    ][: 1 if retrain_only else None]:
+        if retrain_only:
+            scorers = [{}]
         if label == "exact" and spec.exact_filter:
             more = {**more, "grads.module_filter": json.dumps(spec.exact_filter)}
         path = index(args, work / f"index-{label}", **more)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.studies.lds_sets.common import bm25, lds_figures, retrieval
+from benchmarks.studies.lds_sets.common import bm25, lds_figures, paired_difference, retrieval
 from gradian_lightning import JsonlDataset, collate, read_jsonl
 from gradian_lightning.config import load_config
 from gradian_lightning.hub import load_model_and_tokenizer
@@ -250,13 +250,8 @@ def against_bm25(results: List[Dict], key: tuple) -> str:
     for r in results:
         entry = next(e for e in r["entries"] if (e["case"], e["estimator"]) == key)
         lexical = next(e for e in r["entries"] if e["estimator"] == "BM25")
-        diff = np.array(entry["per_query"]["raw"]) - np.array(lexical["per_query"]["raw"])
-        diff = diff[np.isfinite(diff)]
-        paired = (
-            f"{diff.mean():+.3f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.3f}"
-            if len(diff) > 1
-            else "BM25 has no score"
-        )
+        difference = paired_difference(entry["per_query"]["raw"], lexical["per_query"]["raw"])
+        paired = f"{difference[0]:+.3f} ± {difference[1]:.3f}" if difference else "BM25 has no score"
         share = entry["lds"] / best_reference(r)["lds"]
         flag = "" if raw_ceiling_above_zero(r) else " (raw ceiling ≈ 0)"
         lines.append(
