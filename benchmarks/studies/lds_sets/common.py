@@ -32,7 +32,13 @@ from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
 from gradian_lightning.recipes.validate import run_validate, scorer_name
-from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, shared_variance_share
+from gradian_lightning.validation.lds import (
+    centred_over_queries,
+    linear_datamodeling_score,
+    mean_and_standard_error,
+    shared_variance_share,
+    spearman,
+)
 from gradian_lightning.validation.retrain import FineTune, fine_tune
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
 
@@ -225,6 +231,24 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> Optional[Tuple[
     if len(diff) < 2:
         return None
     return float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(len(diff)))
+
+
+def noise_ceiling(losses: np.ndarray) -> Optional[Dict[str, float]]:
+    """How well one retraining predicts the other, as gradian validate reports it (None under 2 repeats)."""
+    if losses.shape[0] < 2:
+        return None
+    first, second = -losses[0], -losses[1]
+    raw = spearman(first.T, second.T)
+    centred = spearman(centred_over_queries(first).T, centred_over_queries(second).T)
+    (lds, se), (c_lds, c_se) = mean_and_standard_error(raw), mean_and_standard_error(centred)
+    return {"lds": lds, "standard_error": se, "centred_lds": c_lds, "centred_standard_error": c_se}
+
+
+def per_query(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, List[float]]:
+    return {
+        "raw": linear_datamodeling_score(scores, subsets, outputs).tolist(),
+        "centred": linear_datamodeling_score(scores, subsets, outputs, centred=True).tolist(),
+    }
 
 
 def lds_figures(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, float]:

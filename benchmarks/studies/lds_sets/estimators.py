@@ -37,17 +37,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.studies.lds_sets.common import bm25, lds_figures, paired_difference, retrieval
+from benchmarks.studies.lds_sets.common import (
+    bm25,
+    lds_figures,
+    noise_ceiling,
+    paired_difference,
+    per_query,
+    retrieval,
+)
 from gradian_lightning import JsonlDataset, collate, read_jsonl
 from gradian_lightning.config import load_config
 from gradian_lightning.hub import load_model_and_tokenizer
-from gradian_lightning.validation.lds import (
-    centred_over_queries,
-    linear_datamodeling_score,
-    mean_and_standard_error,
-    shared_variance_share,
-    spearman,
-)
+from gradian_lightning.validation.lds import shared_variance_share
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
 
 HERE = Path(__file__).resolve().parent
@@ -176,13 +177,6 @@ def scores_at(model, tokenizer, train, queries, spec: Dict, group_layers: int, d
     # Each estimator's squared norms in its own metric w: ‖g_q‖²_w [Q] and ‖g_n‖²_w [N].
     norms = {k: (q_norm[k].numpy(), n_norm[k].numpy()) for k in out}
     return {k: v.numpy() for k, v in out.items()}, norms, mean_e
-
-
-def per_query(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, List[float]]:
-    return {
-        "raw": linear_datamodeling_score(scores, subsets, outputs).tolist(),
-        "centred": linear_datamodeling_score(scores, subsets, outputs, centred=True).tolist(),
-    }
 
 
 def is_reference(entry: Dict) -> bool:
@@ -396,12 +390,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         }
     )
     ceiling = result.get("indexes", {}).get("exact", {}).get("ceiling")
-    if ceiling is None and runs.repeats >= 2:  # as gradian validate reports it: one retraining against the other
-        losses = runs.losses()
-        raw = spearman(-losses[0].T, -losses[1].T)
-        centred = spearman(centred_over_queries(-losses[0]).T, centred_over_queries(-losses[1]).T)
-        (lds, se), (c_lds, c_se) = mean_and_standard_error(raw), mean_and_standard_error(centred)
-        ceiling = {"lds": lds, "standard_error": se, "centred_lds": c_lds, "centred_standard_error": c_se}
+    if ceiling is None:  # as gradian validate reports it: one retraining against the other
+        ceiling = noise_ceiling(runs.losses())
     out = {
         "set": args.name,
         "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators "

@@ -1,15 +1,20 @@
-"""benchmarks/studies/lds_sets/kinds.py: more queries on a set leave its training rows (and the
-tiny sets' tokenizer vocabulary, hence their base model) as they were, so a study with more
-queries measures the same models."""
+"""benchmarks/studies/lds_sets at more subsets and queries (issue 41's margin over BM25): more
+queries on a set leave its training rows (and the tiny sets' tokenizer vocabulary, hence their
+base model) as they were; a run still training is scored on its finished subsets; the paired
+difference against BM25 is the mean and standard error of per-query differences."""
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from benchmarks.studies.lds_sets.common import noise_ceiling, paired_difference
 from benchmarks.studies.lds_sets.kinds import facts, paraphrase, smollm2
 from benchmarks.studies.lds_sets.run import sized, spec_for
+from benchmarks.studies.lds_sets.trajectory import finished_runs
 from gradian_lightning.recipes.quickstart import word_tokenizer
+from gradian_lightning.validation.subsets import SubsetRuns
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "lds_sets" / "data"
 
@@ -57,3 +62,40 @@ def test_more_subsets_or_queries_name_their_own_set_and_the_defaults_keep_theirs
     spec = sized(spec_for("smollm2", 80, smoke=False), None, 48, 48)
     assert (spec.num_subsets, spec.queries, spec.name) == (48, 48, "smollm2-N80-M48-Q48")
     assert sized(spec_for("facts", 512, smoke=False), 1e-3, 96, None).name == "facts-N512-lr0.001-M96"
+
+
+def test_paired_difference_is_the_mean_and_standard_error_of_per_query_differences():
+    a, b = [0.5, 0.2, float("nan"), 0.9, 0.1], [0.1, 0.4, 0.3, 0.2, 0.0]
+    kept = [0.4, -0.2, 0.7, 0.1]  # the third query has no LDS on one side
+    mean = sum(kept) / 4
+    se = (sum((x - mean) ** 2 for x in kept) / 3 / 4) ** 0.5
+    assert paired_difference(a, b) == pytest.approx((mean, se), abs=1e-12)
+    assert paired_difference([float("nan")] * 3, b[:3]) is None
+
+
+def test_a_run_still_training_is_scored_on_its_finished_subsets(tmp_path):
+    plan = {"num_subsets": 4, "alpha": 0.5, "seed": 3, "repeats": 2}
+    runs = SubsetRuns(tmp_path, plan, 10)
+    done = [(m, r) for m in range(2) for r in range(2)] + [(2, 0)]  # subset 2's second repeat is unfinished
+    for m, r in done:
+        runs.save(m, r, 0, np.array([m + 10.0 * r, 1.0]), 0.0)
+    with pytest.raises(SystemExit, match="3 training runs are unfinished"):
+        finished_runs(tmp_path, partial=False)
+    subsets, losses = finished_runs(tmp_path, partial=True)
+    assert np.array_equal(subsets, runs.subsets[:2])
+    assert losses.tolist() == [[[0.0, 1.0], [1.0, 1.0]], [[10.0, 1.0], [11.0, 1.0]]]  # [repeats, M', Q]
+
+
+def test_noise_ceiling_is_the_spearman_of_one_retraining_against_the_other():
+    rng = np.random.default_rng(0)
+    first = rng.standard_normal((12, 3))
+    second = first + 0.5 * rng.standard_normal((12, 3))
+    ceiling = noise_ceiling(np.stack([first, second]))
+
+    def ranks(x):
+        return np.argsort(np.argsort(x))
+
+    per_query = [np.corrcoef(ranks(first[:, q]), ranks(second[:, q]))[0, 1] for q in range(3)]
+    assert ceiling["lds"] == pytest.approx(np.mean(per_query), abs=1e-12)
+    assert ceiling["standard_error"] == pytest.approx(np.std(per_query, ddof=1) / np.sqrt(3), abs=1e-12)
+    assert noise_ceiling(first[None]) is None
