@@ -256,6 +256,29 @@ def against_bm25(results: List[Dict], key: tuple) -> str:
     return "\n".join(lines) + "\n"
 
 
+def above_bm25(result: Dict, top: int) -> str:
+    """The `top` (case, estimator) pairs of one set by raw LDS minus BM25's, paired by query (mean ±
+    standard error): how far above word overlap any estimator measured gets on this set."""
+    lexical = next(e for e in result["entries"] if e["estimator"] == "BM25")
+    rows = []
+    for e in result["entries"]:
+        difference = paired_difference(e["per_query"]["raw"], lexical["per_query"]["raw"])
+        if e is not lexical and difference:
+            rows.append((difference, e))
+    rows.sort(key=lambda x: -x[0][0])
+    lines = [
+        f"{result['set']}: BM25 {lexical['lds']:+.3f} ± {lexical['standard_error']:.3f}",
+        "",
+        "| case | estimator | raw LDS | minus BM25 (paired) |",
+        "|---|---|---|---|",
+    ]
+    for (mean, error), e in rows[:top]:
+        lines.append(
+            f"| {e['case']} | {e['estimator']} | {e['lds']:+.3f} ± {e['standard_error']:.3f} | {mean:+.3f} ± {error:.3f} ({mean / error:.1f} SE) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def set_table(result: Dict, estimators_shown: Sequence[str]) -> str:
     ceiling = result.get("ceiling")
     lines = [
@@ -298,6 +321,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="CASE:ESTIMATOR rows for --report's per-set table",
     )
     parser.add_argument("--report", action="store_true", help="print the tables of every result in --results")
+    parser.add_argument(
+        "--above-bm25", type=int, default=0, help="--report: also each set's N estimators furthest above BM25 (paired)"
+    )
     args = parser.parse_args(argv)
     if args.report:
         results = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
@@ -308,6 +334,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for key in args.defaults:
             case, name = key.split(":")
             print(f"#### {case}, {name} on every set\n\n{against_bm25(results, (case, name))}")
+        if args.above_bm25:
+            for result in results:
+                print(f"#### Furthest above BM25\n\n{above_bm25(result, args.above_bm25)}")
         return 0
     work = args.root / args.name
     torch.set_num_threads(1)
