@@ -110,6 +110,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.report:
         results = [json.loads(path.read_text()) for path in sorted(args.results.glob("*.json"))]
+        results = [r for r in results if "exact" in r["indexes"]]  # --retrain-only's have no scorers' table
         for result in results:
             print(
                 f"### {result['kind']}, N = {result['spec']['rows']}{result['spec'].get('variant', '')}\n\n`{result['command']}`\n\n{table(result)}"
@@ -135,13 +136,13 @@ def main(argv=None) -> int:
     if len(queries) != spec.queries:
         parser.error(f"the {args.kind} generator made {len(queries)} queries, not --queries {spec.queries}")
     result = measure(spec, work, rows, queries, base_rows, command, retrain_only=args.retrain_only)
-    if args.retrain_only:
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{spec.name}{'-smoke' if args.smoke else ''}.json").write_text(json.dumps(result, indent=1))
+    if args.retrain_only:  # no exact index: not a table of run.py's scorers
         print(
             f"{spec.name}: {result['num_subsets']} subsets x {result['repeats']} repeats retrained in {work / 'runs'}"
         )
         return 0
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / f"{spec.name}{'-smoke' if args.smoke else ''}.json").write_text(json.dumps(result, indent=1))
     print(table(result))
     return 0
 
