@@ -11,7 +11,7 @@ for the tiny from-scratch models, the disjoint rows their base is trained on fir
               no fine-tune row. Its sources are every row of its family, which shares no content
               word with it, so word overlap (BM25) has nothing to find.
     smollm2   benchmarks/lds_data's fact set (80 rows, 24 paraphrased queries; copied to data/) on
-              the real SmolLM2-135M-Instruct.
+              the real SmolLM2-135M-Instruct; more queries paraphrase further rows the same way.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from gradian_lightning.config import load_config
 from gradian_lightning.recipes.query import dense_scores, open_for_query, resolve_scoring
 from gradian_lightning.recipes.validate import scorer_name
 from gradian_lightning.specs import QuerySpec
+from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
 
 HERE = Path(__file__).resolve().parent
@@ -88,6 +89,37 @@ def report(results: List[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def on_first_subsets(
+    scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray, counts: Sequence[int]
+) -> Dict[str, List[float]]:
+    """Per-query raw LDS [Q] on only the first m retrained subsets, for each m of `counts` under M:
+    how a figure and its standard error move with the number of subsets, on the same queries."""
+    return {
+        str(m): linear_datamodeling_score(scores, subsets[:m], outputs[:m]).tolist() for m in counts if m < len(subsets)
+    }
+
+
+def by_subsets(results: List[Dict[str, Any]]) -> str:
+    """A Markdown table: each scorer's raw LDS and its difference from BM25 (paired by query) on the
+    first m subsets (`--first-subsets`) and on all of them: the standard error against M."""
+    lines = ["| set | subsets | scorer | raw LDS | minus BM25 (paired) |", "|---|---|---|---|---|"]
+    for result in results:
+        lexical = result["bm25"]
+        for entry in result["lists"].values():
+            for e in entry["scorers"]:
+                counts = {**e.get("first_subsets", {}), str(result["num_subsets"]): e["per_query"]["raw"]}
+                for m, raw in counts.items():
+                    words = {
+                        **lexical.get("first_subsets", {}),
+                        str(result["num_subsets"]): lexical["per_query"]["raw"],
+                    }[m]
+                    mean, error = mean_and_standard_error(np.asarray(raw))
+                    paired = paired_difference(raw, words)
+                    versus = f"{paired[0]:+.3f} ± {paired[1]:.3f} ({paired[0] / paired[1]:.1f} SE)" if paired else ""
+                    lines.append(f"| {result['set']} | {m} | {e['name']} | {mean:+.3f} ± {error:.3f} | {versus} |")
+    return "\n".join(lines) + "\n"
+
+
 def finished_runs(output: Path, partial: bool) -> Tuple[np.ndarray, np.ndarray]:
     """The retrained subsets (bool [M, N]) and their query losses (float64 [repeats, M, Q]). With
     `partial`, a run still training gives its subsets whose every repeat has finished: validate
@@ -114,11 +146,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--scorers", type=json.loads, default=SCORERS, help="a JSON list of query.* overrides")
     parser.add_argument("--lists", nargs="+", default=["2", "all"], help="checkpoint lists: 2 (base, ft), all")
     parser.add_argument(
+        "--first-subsets", type=int, nargs="*", default=[],
+        help="also each scorer's per-query LDS on only the first m subsets, for each m (the SE against M)",
+    )  # fmt: skip
+    parser.add_argument(
         "--partial", action="store_true", help="a run still training: score its finished subsets (finished_runs)"
     )
     args = parser.parse_args(argv)
     if args.report:
-        print(report([json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]))
+        results = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
+        print(report(results))
+        if any("first_subsets" in r.get("bm25", {}) for r in results):
+            print(by_subsets([r for r in results if "first_subsets" in r.get("bm25", {})]))
         return 0
     work = args.root / args.name
     started = time.perf_counter()
@@ -151,6 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "bm25": {
             **lds_figures(lexical, subsets, outputs),
             "per_query": per_query(lexical, subsets, outputs),
+            "first_subsets": on_first_subsets(lexical, subsets, outputs, args.first_subsets),
             **(retrieval(lexical, sources) if sources else {}),
         },
         "lists": {},
@@ -179,6 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             scores = np.nan_to_num(matrix.astype(np.float64), nan=0.0)
             entry = {"scorer": scorer, "name": scorer_name(scorer), **lds_figures(scores, subsets, outputs)}
             entry.update(method=resolved.method, scoring=why, per_query=per_query(scores, subsets, outputs))
+            entry["first_subsets"] = on_first_subsets(scores, subsets, outputs, args.first_subsets)
             if sources:
                 entry.update(retrieval(scores, sources))
             entries.append(entry)
