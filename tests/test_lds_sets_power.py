@@ -12,7 +12,7 @@ import pytest
 from benchmarks.studies.lds_sets.common import noise_ceiling, paired_difference
 from benchmarks.studies.lds_sets.kinds import facts, paraphrase, smollm2
 from benchmarks.studies.lds_sets.run import sized, spec_for
-from benchmarks.studies.lds_sets.trajectory import finished_runs
+from benchmarks.studies.lds_sets.trajectory import finished_runs, on_first_subsets
 from gradian_lightning.recipes.quickstart import word_tokenizer
 from gradian_lightning.validation.subsets import SubsetRuns
 
@@ -99,3 +99,14 @@ def test_noise_ceiling_is_the_spearman_of_one_retraining_against_the_other():
     assert ceiling["lds"] == pytest.approx(np.mean(per_query), abs=1e-12)
     assert ceiling["standard_error"] == pytest.approx(np.std(per_query, ddof=1) / np.sqrt(3), abs=1e-12)
     assert noise_ceiling(first[None]) is None
+
+
+def test_lds_on_the_first_subsets_is_the_lds_of_those_subsets_alone():
+    from gradian_lightning.validation.lds import linear_datamodeling_score
+
+    rng = np.random.default_rng(1)
+    scores, subsets, outputs = rng.standard_normal((3, 8)), rng.random((10, 8)) < 0.5, rng.standard_normal((10, 3))
+    found = on_first_subsets(scores, subsets, outputs, [4, 6, 10, 12])
+    assert list(found) == ["4", "6"]  # m at or past M is the full figure, already kept
+    assert found["6"] == linear_datamodeling_score(scores, subsets[:6], outputs[:6]).tolist()
+    assert found["4"] != found["6"]
