@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.studies.lds_sets.common import noise_ceiling, paired_difference
+from benchmarks.studies.lds_sets.common import noise_ceiling, paired_difference, subset_standard_error
 from benchmarks.studies.lds_sets.kinds import facts, paraphrase, smollm2
 from benchmarks.studies.lds_sets.run import sized, spec_for
 from benchmarks.studies.lds_sets.trajectory import finished_runs, on_first_subsets
@@ -110,3 +110,24 @@ def test_lds_on_the_first_subsets_is_the_lds_of_those_subsets_alone():
     assert list(found) == ["4", "6"]  # m at or past M is the full figure, already kept
     assert found["6"] == linear_datamodeling_score(scores, subsets[:6], outputs[:6]).tolist()
     assert found["4"] != found["6"]
+
+
+def test_the_subsets_standard_error_is_a_jackknife_over_blocks_of_subsets():
+    from gradian_lightning.validation.lds import linear_datamodeling_score
+
+    rng = np.random.default_rng(2)
+    scores, other = rng.standard_normal((4, 9)), rng.standard_normal((4, 9))
+    subsets, outputs = rng.random((12, 9)) < 0.5, rng.standard_normal((12, 4))
+
+    def mean_without(m, minus):  # delete-one jackknife by hand: the mean over queries without subset m
+        keep = [i for i in range(12) if i != m]
+        lds = linear_datamodeling_score(scores, subsets[keep], outputs[keep])
+        if minus:
+            lds = lds - linear_datamodeling_score(other, subsets[keep], outputs[keep])
+        return lds.mean()
+
+    for minus in (False, True):
+        means = np.array([mean_without(m, minus) for m in range(12)])
+        expected = np.sqrt(11 / 12 * np.sum((means - means.mean()) ** 2))
+        found = subset_standard_error(scores, subsets, outputs, other if minus else None, groups=12)
+        assert found == pytest.approx(expected, rel=1e-12)

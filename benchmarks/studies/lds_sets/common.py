@@ -251,6 +251,29 @@ def per_query(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> D
     }
 
 
+def subset_standard_error(
+    scores: np.ndarray,
+    subsets: np.ndarray,
+    outputs: np.ndarray,
+    minus: Optional[np.ndarray] = None,
+    groups: int = 8,
+) -> float:
+    """The standard error that the draw of retrained subsets puts on the mean over queries of raw
+    LDS (of `scores` [Q, N], or of `scores` minus `minus`'s, paired by query). Every query is
+    measured on the same subsets, so this part is shared by all of them and the standard error
+    over queries leaves it out: a delete-a-group jackknife over `groups` blocks of subsets."""
+    blocks = np.array_split(np.arange(len(subsets)), groups)
+    means = []
+    for block in blocks:
+        keep = np.setdiff1d(np.arange(len(subsets)), block)
+        lds = linear_datamodeling_score(scores, subsets[keep], outputs[keep])
+        if minus is not None:
+            lds = lds - linear_datamodeling_score(minus, subsets[keep], outputs[keep])
+        means.append(np.nanmean(lds))
+    means = np.asarray(means)
+    return float(np.sqrt((groups - 1) / groups * np.sum((means - means.mean()) ** 2)))
+
+
 def lds_figures(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, float]:
     """Raw and centred LDS (mean, standard error over queries) of a score matrix, as validate reports them."""
     raw, centred = (linear_datamodeling_score(scores, subsets, outputs, centred=c) for c in (False, True))

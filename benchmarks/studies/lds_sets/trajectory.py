@@ -33,6 +33,7 @@ from benchmarks.studies.lds_sets.common import (
     per_query,
     retrieval,
     settings,
+    subset_standard_error,
 )
 from gradian_lightning import read_jsonl
 from gradian_lightning.config import load_config
@@ -75,6 +76,9 @@ def report(results: List[Dict[str, Any]]) -> str:
             for e in entry["scorers"]:
                 paired = paired_difference(e["per_query"]["raw"], lexical["per_query"]["raw"]) if lexical else None
                 versus = f"{paired[0]:+.3f} ± {paired[1]:.3f} ({paired[0] / paired[1]:.1f} SE)" if paired else ""
+                if paired and "minus_bm25_subset_standard_error" in e:  # both parts of the error
+                    both = float(np.hypot(paired[1], e["minus_bm25_subset_standard_error"]))
+                    versus += f"; with the subsets' ± {e['minus_bm25_subset_standard_error']:.3f}: ± {both:.3f} ({paired[0] / both:.1f} SE)"
                 lines.append(
                     f"| {result['set']} | {len(entry['checkpoints'])} | {e['name']} | {figures(e)} | {versus} |"
                 )
@@ -191,6 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             **lds_figures(lexical, subsets, outputs),
             "per_query": per_query(lexical, subsets, outputs),
             "first_subsets": on_first_subsets(lexical, subsets, outputs, args.first_subsets),
+            "subset_standard_error": subset_standard_error(lexical, subsets, outputs),
             **(retrieval(lexical, sources) if sources else {}),
         },
         "lists": {},
@@ -220,6 +225,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             entry = {"scorer": scorer, "name": scorer_name(scorer), **lds_figures(scores, subsets, outputs)}
             entry.update(method=resolved.method, scoring=why, per_query=per_query(scores, subsets, outputs))
             entry["first_subsets"] = on_first_subsets(scores, subsets, outputs, args.first_subsets)
+            # The draw of subsets moves every query's LDS together: its share of the error, jackknifed.
+            entry["subset_standard_error"] = subset_standard_error(scores, subsets, outputs)
+            entry["minus_bm25_subset_standard_error"] = subset_standard_error(scores, subsets, outputs, lexical)
             if sources:
                 entry.update(retrieval(scores, sources))
             entries.append(entry)
