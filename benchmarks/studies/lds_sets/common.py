@@ -32,7 +32,13 @@ from gradian_lightning.index.layout import stored_meta
 from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
 from gradian_lightning.recipes.validate import run_validate, scorer_name
-from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error, shared_variance_share
+from gradian_lightning.validation.lds import (
+    centred_over_queries,
+    linear_datamodeling_score,
+    mean_and_standard_error,
+    shared_variance_share,
+    spearman,
+)
 from gradian_lightning.validation.retrain import FineTune, fine_tune
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
 
@@ -217,6 +223,57 @@ def retrieval(scores: np.ndarray, sources: List[List[int]]) -> Dict[str, float]:
     return {"recall@10": float(np.mean(recall)), "mrr": float(np.mean(reciprocal))}
 
 
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> Optional[Tuple[float, float]]:
+    """Mean and standard error over queries of per-query LDS `a` minus `b` (queries where either is
+    undefined left out), the same queries and retrained subsets on both sides; None under 2 queries."""
+    diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    diff = diff[np.isfinite(diff)]
+    if len(diff) < 2:
+        return None
+    return float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(len(diff)))
+
+
+def noise_ceiling(losses: np.ndarray) -> Optional[Dict[str, float]]:
+    """How well one retraining predicts the other, as gradian validate reports it (None under 2 repeats)."""
+    if losses.shape[0] < 2:
+        return None
+    first, second = -losses[0], -losses[1]
+    raw = spearman(first.T, second.T)
+    centred = spearman(centred_over_queries(first).T, centred_over_queries(second).T)
+    (lds, se), (c_lds, c_se) = mean_and_standard_error(raw), mean_and_standard_error(centred)
+    return {"lds": lds, "standard_error": se, "centred_lds": c_lds, "centred_standard_error": c_se}
+
+
+def per_query(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, List[float]]:
+    return {
+        "raw": linear_datamodeling_score(scores, subsets, outputs).tolist(),
+        "centred": linear_datamodeling_score(scores, subsets, outputs, centred=True).tolist(),
+    }
+
+
+def subset_standard_error(
+    scores: np.ndarray,
+    subsets: np.ndarray,
+    outputs: np.ndarray,
+    minus: Optional[np.ndarray] = None,
+    groups: int = 8,
+) -> float:
+    """The standard error that the draw of retrained subsets puts on the mean over queries of raw
+    LDS (of `scores` [Q, N], or of `scores` minus `minus`'s, paired by query). Every query is
+    measured on the same subsets, so this part is shared by all of them and the standard error
+    over queries leaves it out: a delete-a-group jackknife over `groups` blocks of subsets."""
+    blocks = np.array_split(np.arange(len(subsets)), groups)
+    means = []
+    for block in blocks:
+        keep = np.setdiff1d(np.arange(len(subsets)), block)
+        lds = linear_datamodeling_score(scores, subsets[keep], outputs[keep])
+        if minus is not None:
+            lds = lds - linear_datamodeling_score(minus, subsets[keep], outputs[keep])
+        means.append(np.nanmean(lds))
+    means = np.asarray(means)
+    return float(np.sqrt((groups - 1) / groups * np.sum((means - means.mean()) ** 2)))
+
+
 def lds_figures(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, float]:
     """Raw and centred LDS (mean, standard error over queries) of a score matrix, as validate reports them."""
     raw, centred = (linear_datamodeling_score(scores, subsets, outputs, centred=c) for c in (False, True))
@@ -225,9 +282,17 @@ def lds_figures(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) ->
 
 
 def measure(
-    spec: SetSpec, work: Path, rows: List[Dict], queries: List[Dict], base_rows: List[Dict], command: str
+    spec: SetSpec,
+    work: Path,
+    rows: List[Dict],
+    queries: List[Dict],
+    base_rows: List[Dict],
+    command: str,
+    retrain_only: bool = False,
 ) -> Dict[str, Any]:
-    """Build, retrain and score one set; the result (also written to work/result.json)."""
+    """Build, retrain and score one set; the result (also written to work/result.json). With
+    `retrain_only`, only the first projected index is built and scored (validate needs an index),
+    by today's defaults alone: the models and retrained subsets for trajectory.py and estimators.py."""
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     write_rows(work / "train.jsonl", rows)
@@ -251,7 +316,9 @@ def measure(
             for s in spec.seeds
         ),
         ("exact", EXACT, {"grads.projection_dim": "null"}),
-    ]:
+    ][: 1 if retrain_only else None]:
+        if retrain_only:
+            scorers = [{}]
         if label == "exact" and spec.exact_filter:
             more = {**more, "grads.module_filter": json.dumps(spec.exact_filter)}
         path = index(args, work / f"index-{label}", **more)

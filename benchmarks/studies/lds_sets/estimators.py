@@ -37,17 +37,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.studies.lds_sets.common import bm25, lds_figures, retrieval
+from benchmarks.studies.lds_sets.common import (
+    bm25,
+    lds_figures,
+    noise_ceiling,
+    paired_difference,
+    per_query,
+    retrieval,
+)
 from gradian_lightning import JsonlDataset, collate, read_jsonl
 from gradian_lightning.config import load_config
 from gradian_lightning.hub import load_model_and_tokenizer
-from gradian_lightning.validation.lds import (
-    centred_over_queries,
-    linear_datamodeling_score,
-    mean_and_standard_error,
-    shared_variance_share,
-    spearman,
-)
+from gradian_lightning.validation.lds import shared_variance_share
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
 
 HERE = Path(__file__).resolve().parent
@@ -178,13 +179,6 @@ def scores_at(model, tokenizer, train, queries, spec: Dict, group_layers: int, d
     return {k: v.numpy() for k, v in out.items()}, norms, mean_e
 
 
-def per_query(scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray) -> Dict[str, List[float]]:
-    return {
-        "raw": linear_datamodeling_score(scores, subsets, outputs).tolist(),
-        "centred": linear_datamodeling_score(scores, subsets, outputs, centred=True).tolist(),
-    }
-
-
 def is_reference(entry: Dict) -> bool:
     """The field's estimators as issue 41 names them: exact inner product and whole-row cosine, and
     full-space K-FAC and EK-FAC influence at each damping, at the fine-tune alone and summed."""
@@ -250,19 +244,37 @@ def against_bm25(results: List[Dict], key: tuple) -> str:
     for r in results:
         entry = next(e for e in r["entries"] if (e["case"], e["estimator"]) == key)
         lexical = next(e for e in r["entries"] if e["estimator"] == "BM25")
-        diff = np.array(entry["per_query"]["raw"]) - np.array(lexical["per_query"]["raw"])
-        diff = diff[np.isfinite(diff)]
-        paired = (
-            f"{diff.mean():+.3f} ± {diff.std(ddof=1) / np.sqrt(len(diff)):.3f}"
-            if len(diff) > 1
-            else "BM25 has no score"
-        )
+        difference = paired_difference(entry["per_query"]["raw"], lexical["per_query"]["raw"])
+        paired = f"{difference[0]:+.3f} ± {difference[1]:.3f}" if difference else "BM25 has no score"
         share = entry["lds"] / best_reference(r)["lds"]
         flag = "" if raw_ceiling_above_zero(r) else " (raw ceiling ≈ 0)"
         lines.append(
             f"| {r['set']}{flag} | {entry['lds']:+.3f} ± {entry['standard_error']:.3f} | {share:.2f} | "
             f"{entry['centred_lds']:+.3f} ± {entry['centred_standard_error']:.3f} | {entry.get('recall@10', float('nan')):.2f} | "
             f"{entry.get('mrr', float('nan')):.2f} | {paired} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def above_bm25(result: Dict, top: int) -> str:
+    """The `top` (case, estimator) pairs of one set by raw LDS minus BM25's, paired by query (mean ±
+    standard error): how far above word overlap any estimator measured gets on this set."""
+    lexical = next(e for e in result["entries"] if e["estimator"] == "BM25")
+    rows = []
+    for e in result["entries"]:
+        difference = paired_difference(e["per_query"]["raw"], lexical["per_query"]["raw"])
+        if e is not lexical and difference:
+            rows.append((difference, e))
+    rows.sort(key=lambda x: -x[0][0])
+    lines = [
+        f"{result['set']}: BM25 {lexical['lds']:+.3f} ± {lexical['standard_error']:.3f}",
+        "",
+        "| case | estimator | raw LDS | minus BM25 (paired) |",
+        "|---|---|---|---|",
+    ]
+    for (mean, error), e in rows[:top]:
+        lines.append(
+            f"| {e['case']} | {e['estimator']} | {e['lds']:+.3f} ± {e['standard_error']:.3f} | {mean:+.3f} ± {error:.3f} ({mean / error:.1f} SE) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -309,6 +321,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="CASE:ESTIMATOR rows for --report's per-set table",
     )
     parser.add_argument("--report", action="store_true", help="print the tables of every result in --results")
+    parser.add_argument(
+        "--above-bm25", type=int, default=0, help="--report: also each set's N estimators furthest above BM25 (paired)"
+    )
     args = parser.parse_args(argv)
     if args.report:
         results = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
@@ -319,6 +334,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for key in args.defaults:
             case, name = key.split(":")
             print(f"#### {case}, {name} on every set\n\n{against_bm25(results, (case, name))}")
+        if args.above_bm25:
+            for result in results:
+                print(f"#### Furthest above BM25\n\n{above_bm25(result, args.above_bm25)}")
         return 0
     work = args.root / args.name
     torch.set_num_threads(1)
@@ -401,12 +419,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         }
     )
     ceiling = result.get("indexes", {}).get("exact", {}).get("ceiling")
-    if ceiling is None and runs.repeats >= 2:  # as gradian validate reports it: one retraining against the other
-        losses = runs.losses()
-        raw = spearman(-losses[0].T, -losses[1].T)
-        centred = spearman(centred_over_queries(-losses[0]).T, centred_over_queries(-losses[1]).T)
-        (lds, se), (c_lds, c_se) = mean_and_standard_error(raw), mean_and_standard_error(centred)
-        ceiling = {"lds": lds, "standard_error": se, "centred_lds": c_lds, "centred_standard_error": c_se}
+    if ceiling is None:  # as gradian validate reports it: one retraining against the other
+        ceiling = noise_ceiling(runs.losses())
     out = {
         "set": args.name,
         "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators "

@@ -11,13 +11,14 @@ for the tiny from-scratch models, the disjoint rows their base is trained on fir
               no fine-tune row. Its sources are every row of its family, which shares no content
               word with it, so word overlap (BM25) has nothing to find.
     smollm2   benchmarks/lds_data's fact set (80 rows, 24 paraphrased queries; copied to data/) on
-              the real SmolLM2-135M-Instruct.
+              the real SmolLM2-135M-Instruct; more queries paraphrase further rows the same way.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -127,13 +128,44 @@ def format_set(rows: int, queries: int, seed: int, base_rows: int) -> Tuple[Rows
     return train, query_rows, base
 
 
+# How data/fact.queries.jsonl asks each attribute's training row in other words (the phrasing of
+# benchmarks/ranking_make_data.py, which made the set; removed from the tree since): the training
+# completion's pattern (person, value), and the query's prompt and completion.
+PARAPHRASES = {
+    "fruit": (r" (\w+) likes the (\w+) best\.", "Which fruit is the favourite of {p}?", " The favourite fruit of {p} is the {v}."),
+    "city": (r" (\w+) lives in (\w+)\.", "In which city is the home of {p}?", " The home of {p} is in {v}."),
+    "pet": (r" (\w+) keeps a (\w+) at home\.", "Which animal lives with {p}?", " A {v} lives with {p}."),
+    "job": (r" (\w+) works as a (\w+)\.", "How does {p} earn a living?", " {p} earns a living as a {v}."),
+}  # fmt: skip
+
+
+def paraphrase(row: Dict) -> Dict:
+    """The query asking SmolLM2 fact row `row` ("NAME-ATTRIBUTE") in other words, its planted source `row`."""
+    pattern, prompt, completion = PARAPHRASES[row["id"].rsplit("-", 1)[1]]
+    person, value = re.fullmatch(pattern, row["completion"]).groups()
+    return {
+        "id": f"q-{row['id']}",
+        "sources": [row["id"]],
+        "prompt": prompt.format(p=person),
+        "completion": completion.format(p=person, v=value),
+    }
+
+
 def smollm2(rows: int, queries: int, seed: int, base_rows: int) -> Tuple[Rows, Rows, Rows]:
-    """The copied benchmarks/lds_data fact set (its size is fixed: 80 rows, 24 queries); no base rows."""
+    """The copied benchmarks/lds_data fact set (80 rows, 24 queries); no base rows. More than the
+    file's 24 queries: the file's first, then `paraphrase` of rows no query asks yet, drawn with
+    `seed`; the training rows stay the file's whatever the queries (at most one query a row)."""
     read = lambda name: [json.loads(line) for line in (HERE / "data" / name).read_text().splitlines()]  # noqa: E731
     train = read("fact.train.jsonl")[:rows]
     kept = {r["id"] for r in train}  # a smaller --smoke set keeps only the queries whose sources it holds
-    asked = [q for q in read("fact.queries.jsonl") if set(q.get("sources", [])) <= kept]
-    return train, asked[:queries], []
+    asked = [q for q in read("fact.queries.jsonl") if set(q.get("sources", [])) <= kept][:queries]
+    if queries > len(asked):
+        sourced = {s for q in asked for s in q["sources"]}
+        others = [r for r in train if r["id"] not in sourced]
+        if queries - len(asked) > len(others):
+            raise ValueError(f"the smollm2 set has {len(train)} rows: at most {len(train)} queries, one a row")
+        asked += [paraphrase(r) for r in random.Random(seed).sample(others, queries - len(asked))]
+    return train, asked, []
 
 
 GENERATORS = {"facts": facts, "shared": shared, "format": format_set, "smollm2": smollm2}

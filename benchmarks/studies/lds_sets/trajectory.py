@@ -19,17 +19,28 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from benchmarks.studies.lds_sets.common import FORMATS, index, lds_figures, retrieval, settings
+from benchmarks.studies.lds_sets.common import (
+    FORMATS,
+    bm25,
+    index,
+    lds_figures,
+    noise_ceiling,
+    paired_difference,
+    per_query,
+    retrieval,
+    settings,
+    subset_standard_error,
+)
 from gradian_lightning import read_jsonl
 from gradian_lightning.config import load_config
-from gradian_lightning.recipes.query import dense_scores
+from gradian_lightning.recipes.query import dense_scores, open_for_query, resolve_scoring
 from gradian_lightning.recipes.validate import scorer_name
 from gradian_lightning.specs import QuerySpec
-from gradian_lightning.validation.lds import linear_datamodeling_score
+from gradian_lightning.validation.lds import linear_datamodeling_score, mean_and_standard_error
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
 
 HERE = Path(__file__).resolve().parent
@@ -46,19 +57,88 @@ SCORERS: List[Dict[str, Any]] = [
 
 
 def report(results: List[Dict[str, Any]]) -> str:
-    """One Markdown table: each set's scorers, raw and centred LDS and R@10, per checkpoint list."""
+    """One Markdown table: each set's scorers, raw and centred LDS, R@10, MRR and (results that
+    hold BM25) raw LDS minus BM25's paired by query, per checkpoint list; then BM25 and the noise ceiling."""
     lines = [
-        "| set | checkpoints | scorer | raw LDS | centred LDS | R@10 | MRR |",
-        "|---|---|---|---|---|---|---|",
+        "| set | checkpoints | scorer | raw LDS | centred LDS | R@10 | MRR | minus BM25 (paired) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+
+    def figures(e: Dict[str, Any]) -> str:
+        return (
+            f"{e['lds']:+.3f} ± {e['standard_error']:.3f} | {e['centred_lds']:+.3f} ± {e['centred_standard_error']:.3f} | "
+            f"{e.get('recall@10', float('nan')):.2f} | {e.get('mrr', float('nan')):.2f}"
+        )
+
     for result in results:
+        lexical = result.get("bm25")
         for entry in result["lists"].values():
             for e in entry["scorers"]:
+                paired = paired_difference(e["per_query"]["raw"], lexical["per_query"]["raw"]) if lexical else None
+                versus = f"{paired[0]:+.3f} ± {paired[1]:.3f} ({paired[0] / paired[1]:.1f} SE)" if paired else ""
+                if paired and "minus_bm25_subset_standard_error" in e:  # both parts of the error
+                    both = float(np.hypot(paired[1], e["minus_bm25_subset_standard_error"]))
+                    versus += f"; with the subsets' ± {e['minus_bm25_subset_standard_error']:.3f}: ± {both:.3f} ({paired[0] / both:.1f} SE)"
                 lines.append(
-                    f"| {result['set']} | {len(entry['checkpoints'])} | {e['name']} | {e['lds']:+.3f} ± {e['standard_error']:.3f} | "
-                    f"{e['centred_lds']:+.3f} ± {e['centred_standard_error']:.3f} | {e.get('recall@10', float('nan')):.2f} | {e.get('mrr', float('nan')):.2f} |"
+                    f"| {result['set']} | {len(entry['checkpoints'])} | {e['name']} | {figures(e)} | {versus} |"
                 )
+        if lexical:
+            lines.append(f"| {result['set']} | | BM25 | {figures(lexical)} | |")
+        if result.get("ceiling"):
+            c = result["ceiling"]
+            lines.append(
+                f"| {result['set']} | | noise ceiling | {c['lds']:+.3f} ± {c['standard_error']:.3f} | "
+                f"{c['centred_lds']:+.3f} ± {c['centred_standard_error']:.3f} | | | |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def on_first_subsets(
+    scores: np.ndarray, subsets: np.ndarray, outputs: np.ndarray, counts: Sequence[int]
+) -> Dict[str, List[float]]:
+    """Per-query raw LDS [Q] on only the first m retrained subsets, for each m of `counts` under M:
+    how a figure and its standard error move with the number of subsets, on the same queries."""
+    return {
+        str(m): linear_datamodeling_score(scores, subsets[:m], outputs[:m]).tolist() for m in counts if m < len(subsets)
+    }
+
+
+def by_subsets(results: List[Dict[str, Any]]) -> str:
+    """A Markdown table: each scorer's raw LDS and its difference from BM25 (paired by query) on the
+    first m subsets (`--first-subsets`) and on all of them: the standard error against M."""
+    lines = ["| set | subsets | scorer | raw LDS | minus BM25 (paired) |", "|---|---|---|---|---|"]
+    for result in results:
+        lexical = result["bm25"]
+        for entry in result["lists"].values():
+            for e in entry["scorers"]:
+                counts = {**e.get("first_subsets", {}), str(result["num_subsets"]): e["per_query"]["raw"]}
+                for m, raw in counts.items():
+                    words = {
+                        **lexical.get("first_subsets", {}),
+                        str(result["num_subsets"]): lexical["per_query"]["raw"],
+                    }[m]
+                    mean, error = mean_and_standard_error(np.asarray(raw))
+                    paired = paired_difference(raw, words)
+                    versus = f"{paired[0]:+.3f} ± {paired[1]:.3f} ({paired[0] / paired[1]:.1f} SE)" if paired else ""
+                    lines.append(f"| {result['set']} | {m} | {e['name']} | {mean:+.3f} ± {error:.3f} | {versus} |")
+    return "\n".join(lines) + "\n"
+
+
+def finished_runs(output: Path, partial: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """The retrained subsets (bool [M, N]) and their query losses (float64 [repeats, M, Q]). With
+    `partial`, a run still training gives its subsets whose every repeat has finished: validate
+    trains subset by subset in order, so they are the first M' (the LDS of fewer subsets)."""
+    runs = SubsetRuns.existing(output)
+    losses = runs.losses()
+    if losses is not None:
+        return runs.subsets, losses
+    if not partial:
+        raise SystemExit(f"{output}: {len(runs.todo())} training runs are unfinished; wait, or pass --partial")
+    done = min(m for m, _ in runs.todo())
+    losses = [
+        [json.loads(runs._path(m, r).read_text())["query_loss"] for m in range(done)] for r in range(runs.repeats)
+    ]
+    return runs.subsets[:done], np.asarray(losses, dtype=np.float64)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -69,9 +149,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--results", type=Path, default=HERE / "trajectory")
     parser.add_argument("--scorers", type=json.loads, default=SCORERS, help="a JSON list of query.* overrides")
     parser.add_argument("--lists", nargs="+", default=["2", "all"], help="checkpoint lists: 2 (base, ft), all")
+    parser.add_argument(
+        "--first-subsets", type=int, nargs="*", default=[],
+        help="also each scorer's per-query LDS on only the first m subsets, for each m (the SE against M)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--partial", action="store_true", help="a run still training: score its finished subsets (finished_runs)"
+    )
     args = parser.parse_args(argv)
     if args.report:
-        print(report([json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]))
+        results = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
+        print(report(results))
+        if any("first_subsets" in r.get("bm25", {}) for r in results):
+            print(by_subsets([r for r in results if "first_subsets" in r.get("bm25", {})]))
         return 0
     work = args.root / args.name
     started = time.perf_counter()
@@ -90,12 +180,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train, queries = read_jsonl(work / "train.jsonl"), read_jsonl(work / "queries.jsonl")
     ids = [r["id"] for r in train]
     sources = [[ids.index(s) for s in q["sources"]] for q in queries] if all("sources" in q for q in queries) else None
-    runs = SubsetRuns.existing(work / "runs")
-    subsets, outputs = runs.subsets, -runs.losses().mean(axis=0)
+    subsets, losses = finished_runs(work / "runs", args.partial)
+    outputs = -losses.mean(axis=0)
+    lexical = bm25(train, queries)
     out: Dict[str, Any] = {
         "set": args.name,
         "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.trajectory "
         + " ".join(sys.argv[1:] if argv is None else argv),
+        "num_subsets": int(subsets.shape[0]),
+        "repeats": int(losses.shape[0]),
+        "queries": len(queries),
+        "ceiling": noise_ceiling(losses),
+        "bm25": {
+            **lds_figures(lexical, subsets, outputs),
+            "per_query": per_query(lexical, subsets, outputs),
+            "first_subsets": on_first_subsets(lexical, subsets, outputs, args.first_subsets),
+            "subset_standard_error": subset_standard_error(lexical, subsets, outputs),
+            **(retrieval(lexical, sources) if sources else {}),
+        },
         "lists": {},
     }
     for label in args.lists:
@@ -116,19 +218,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for s in args.scorers
         ]
         entries = []
-        for scorer, matrix in zip(args.scorers, dense_scores(cfg, specs)):
+        opened = open_for_query(cfg)[0]  # what query.method=auto chooses for each scorer, and why
+        chosen = [resolve_scoring(cfg, opened, q) for q in specs]
+        for scorer, matrix, (resolved, why) in zip(args.scorers, dense_scores(cfg, specs), chosen):
             scores = np.nan_to_num(matrix.astype(np.float64), nan=0.0)
             entry = {"scorer": scorer, "name": scorer_name(scorer), **lds_figures(scores, subsets, outputs)}
-            entry["per_query"] = {
-                "raw": linear_datamodeling_score(scores, subsets, outputs).tolist(),
-                "centred": linear_datamodeling_score(scores, subsets, outputs, centred=True).tolist(),
-            }
+            entry.update(method=resolved.method, scoring=why, per_query=per_query(scores, subsets, outputs))
+            entry["first_subsets"] = on_first_subsets(scores, subsets, outputs, args.first_subsets)
+            # The draw of subsets moves every query's LDS together: its share of the error, jackknifed.
+            entry["subset_standard_error"] = subset_standard_error(scores, subsets, outputs)
+            entry["minus_bm25_subset_standard_error"] = subset_standard_error(scores, subsets, outputs, lexical)
             if sources:
                 entry.update(retrieval(scores, sources))
             entries.append(entry)
             print(
                 f"{args.name} {len(models)} checkpoints: {entry['name']:60s} raw {entry['lds']:+.3f} ± {entry['standard_error']:.3f} "
-                f"centred {entry['centred_lds']:+.3f} R@10 {entry.get('recall@10', float('nan')):.2f}",
+                f"centred {entry['centred_lds']:+.3f} R@10 {entry.get('recall@10', float('nan')):.2f} ({resolved.method})",
                 flush=True,
             )
         out["lists"][label] = {"checkpoints": [str(m) for m in models], "scorers": entries}
