@@ -220,3 +220,6 @@ def test_plan_says_which_path_gradian_query_takes_and_what_the_exact_pass_caches
     assert past["method"] == "index" and "above query.exact_budget=1e+03" in past["why"]
     assert main(["query", *common, "query.exact_budget=1000"]) == 0
     assert past["why"] in capsys.readouterr().out
+    assert main(["plan", *common, "query.token_scores=true", "--json"]) == 0  # a run setting the exact pass lacks
+    explained = json.loads(capsys.readouterr().out)["query"]
+    assert explained["method"] == "index" and "query.token_scores=true" in explained["why"]

@@ -126,6 +126,16 @@ def resolve_method(
     return choose_method(spec, supervised, checkpoints, weights, why_not_exact)
 
 
+def run_settings_against_exact(engine: str, token_scores: bool) -> Optional[str]:
+    """Why the settings of a query run (not of its scoring) keep it off the exact pass, or None:
+    `query.engine=dask` and `query.token_scores=true` score and explain the stored rows."""
+    if engine == "dask":
+        return "query.engine=dask scores the stored rows"
+    if token_scores:
+        return "query.token_scores=true explains the stored rows' scores"
+    return None
+
+
 def choose_method(
     spec: QuerySpec,
     supervised: int,

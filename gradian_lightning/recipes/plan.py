@@ -36,7 +36,13 @@ from gradian_lightning.gradients.recompute import recomputed_units
 from gradian_lightning.hub import load_tokenizer_and_config, meta_model
 from gradian_lightning.index.layout import NUMPY_DTYPE
 from gradian_lightning.index.statistics import statistics_bytes
-from gradian_lightning.query.exact_scoring import QUERY_BYTES, choose_method, exact_cost, factor_set_bytes
+from gradian_lightning.query.exact_scoring import (
+    QUERY_BYTES,
+    choose_method,
+    exact_cost,
+    factor_set_bytes,
+    run_settings_against_exact,
+)
 from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec, QuerySpec
 
 # Byte units, lower-cased: bytes, decimal (kb ... tb) and binary (kib ... tib).
@@ -275,8 +281,8 @@ def index_layout(model: torch.nn.Module, spec: IndexSpec, rows: int) -> Dict[str
 
 def query_plan(cfg: DictConfig, model: torch.nn.Module, spec: IndexSpec, supervised: int) -> Dict[str, Any]:
     """What `gradian query` at `cfg.query.*` will run on the index these settings build: the method
-    query.method=auto chooses (`choose_method`, the rule `gradian query` applies, with the training
-    data taken as there), why, and the exact pass's own bytes: one checkpoint's factor set, cached
+    query.method=auto chooses (`choose_method`, the rule `gradian query` applies, the training data
+    taken as there), why, and the exact pass's own bytes: one checkpoint's factor set, cached
     under index.path/factors/ (uncompressed), and one query's full-space directions in memory.
 
     `supervised` is the training rows' supervised tokens in all; `model` may live on the meta device."""
@@ -285,7 +291,8 @@ def query_plan(cfg: DictConfig, model: torch.nn.Module, spec: IndexSpec, supervi
     chosen = 1 if q.checkpoints == "last" else len(q.checkpoints) if isinstance(q.checkpoints, tuple) else saved
     shapes = [linear_features(m) for m in select_modules(model, list(spec.module_filter)).values()]
     weights = sum(o * i for o, i in shapes)
-    resolved, why = choose_method(q, supervised, chosen, weights)
+    refused = run_settings_against_exact(cfg.query.engine, bool(cfg.query.token_scores))
+    resolved, why = choose_method(q, supervised, chosen, weights, lambda: refused)
     factors = factor_set_bytes(shapes)
     return {
         "method": resolved.method,

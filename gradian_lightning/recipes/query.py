@@ -40,6 +40,7 @@ from gradian_lightning.query.exact_scoring import (
     factor_set_name,
     factors_from_arrays,
     resolve_method,
+    run_settings_against_exact,
 )
 from gradian_lightning.query.rows import check_matches_index, query_gradients, tokenized_queries
 from gradian_lightning.query.scorer import Scorer, checkpoint_scorers
@@ -349,10 +350,9 @@ def resolve_scoring(cfg: Any, index: Index, q: QuerySpec, train: Any = None) -> 
         return q, ""
 
     def why_not_exact() -> Optional[str]:
-        if cfg.query.engine == "dask":
-            return "query.engine=dask scores the stored rows"
-        if cfg.query.token_scores:
-            return "query.token_scores=true explains the stored rows' scores"
+        refused = run_settings_against_exact(cfg.query.engine, bool(cfg.query.token_scores))
+        if refused:
+            return refused
         rows, reason = indexed_rows(index.meta.data_segments(), Fields.from_config(cfg.data), train)
         return reason if rows is None else None
 
