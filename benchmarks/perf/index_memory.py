@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import sys
@@ -96,13 +97,11 @@ def child() -> None:
 
         setattr(owner, name, run)
 
-    batches = iter(range(1, 1 << 30))
-    first = [True]
+    batches = itertools.count(1)
 
     def before_compute() -> None:
-        if first[0]:
+        if stages[-1]["stage"] == "model loaded":  # the first batch: nothing probed since the load
             probe("first batch")
-            first[0] = False
 
     wrapped(recipe, "open_rows", after=lambda: probe("data opened"))
     wrapped(recipe, "load_model_and_tokenizer", after=lambda: probe("model loaded"))

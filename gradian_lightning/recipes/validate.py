@@ -35,11 +35,10 @@ from gradian_lightning.recipes.query import dense_scores
 from gradian_lightning.saved_models import load_saved_model
 from gradian_lightning.specs import QuerySpec
 from gradian_lightning.validation.lds import (
-    centred_over_queries,
     linear_datamodeling_score,
     mean_and_standard_error,
+    retraining_ceiling,
     shared_variance_share,
-    spearman,
 )
 from gradian_lightning.validation.retrain import FineTune, fine_tune, query_losses, run_seed
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
@@ -163,10 +162,7 @@ def run_validate(
         *(linear_datamodeling_score(noise, runs.subsets, outputs, centred=c) for c in (False, True))
     )
     if runs.repeats >= 2:  # how well one retraining predicts another: what no scorer can beat
-        first, second = -losses[0], -losses[1]
-        report["ceiling"] = _lds_entry(
-            spearman(first.T, second.T), spearman(centred_over_queries(first).T, centred_over_queries(second).T)
-        )
+        report["ceiling"] = _lds_entry(*retraining_ceiling(losses))
     output = Path(v.output)
     write_json_atomically(output / "lds.json", report)
     (output / "lds_per_query.jsonl").write_text("".join(json.dumps(row) + "\n" for row in per_query))

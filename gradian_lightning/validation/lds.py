@@ -70,6 +70,14 @@ def linear_datamodeling_score(
     return spearman(predicted.T, outputs.T)
 
 
+def retraining_ceiling(losses: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Per-query raw and centred LDS [Q] of one retraining predicting the other: `losses` [R, M, Q]
+    (repeats >= 2, subsets, queries), the first two repeats' negated losses ranked against each
+    other over the subsets; what no scorer can beat (gradian validate's "ceiling")."""
+    first, second = -losses[0], -losses[1]
+    return spearman(first.T, second.T), spearman(centred_over_queries(first).T, centred_over_queries(second).T)
+
+
 def shared_variance_share(outputs: np.ndarray) -> float:
     """The share (0..1) of the outputs' variance across subsets that all queries share.
 

@@ -33,11 +33,10 @@ from gradian_lightning.recipes.index import run_index
 from gradian_lightning.recipes.quickstart import tiny_llama, word_tokenizer
 from gradian_lightning.recipes.validate import run_validate, scorer_name
 from gradian_lightning.validation.lds import (
-    centred_over_queries,
     linear_datamodeling_score,
     mean_and_standard_error,
+    retraining_ceiling,
     shared_variance_share,
-    spearman,
 )
 from gradian_lightning.validation.retrain import FineTune, fine_tune
 from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomically
@@ -226,20 +225,15 @@ def retrieval(scores: np.ndarray, sources: List[List[int]]) -> Dict[str, float]:
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> Optional[Tuple[float, float]]:
     """Mean and standard error over queries of per-query LDS `a` minus `b` (queries where either is
     undefined left out), the same queries and retrained subsets on both sides; None under 2 queries."""
-    diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
-    diff = diff[np.isfinite(diff)]
-    if len(diff) < 2:
-        return None
-    return float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(len(diff)))
+    mean, error = mean_and_standard_error(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
+    return (mean, error) if np.isfinite(error) else None
 
 
 def noise_ceiling(losses: np.ndarray) -> Optional[Dict[str, float]]:
     """How well one retraining predicts the other, as gradian validate reports it (None under 2 repeats)."""
     if losses.shape[0] < 2:
         return None
-    first, second = -losses[0], -losses[1]
-    raw = spearman(first.T, second.T)
-    centred = spearman(centred_over_queries(first).T, centred_over_queries(second).T)
+    raw, centred = retraining_ceiling(losses)
     (lds, se), (c_lds, c_se) = mean_and_standard_error(raw), mean_and_standard_error(centred)
     return {"lds": lds, "standard_error": se, "centred_lds": c_lds, "centred_standard_error": c_se}
 
