@@ -108,7 +108,10 @@ def read_trainer_state(entry: str) -> Optional[Tuple[int, Optional[float]]]:
     logged = [
         h
         for h in state.get("log_history") or []
-        if isinstance(h, dict) and isinstance(h.get("learning_rate"), (int, float)) and h.get("step", 0) <= step
+        if isinstance(h, dict)
+        and isinstance(h.get("learning_rate"), (int, float))
+        and isinstance(h.get("step", 0), int)
+        and h.get("step", 0) <= step
     ]
     return step, (float(logged[-1]["learning_rate"]) if logged else None)
 

@@ -158,6 +158,10 @@ def test_model_checkpoints_key_trainer_checkpoint_dirs_as_the_callback_does(tmp_
     with pytest.raises(ConfigError, match="trainer_state.json cannot be read") as e:
         saved_models(folders)
     assert "\n" not in str(e.value)
+    state.write_text(
+        '{"global_step": 4, "log_history": [{"step": 2, "learning_rate": 0.5}, {"step": "?", "learning_rate": 9}]}'
+    )
+    assert saved_models(folders)[1].lr == 0.5  # a log entry without a numeric step is not the step's rate
     state.write_text('{"log_history": []}')
     with pytest.raises(ConfigError, match="holds no global_step"):
         saved_models(folders)
