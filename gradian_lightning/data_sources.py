@@ -8,8 +8,9 @@ A source is any of:
   - a Hugging Face hub name with a split, `name:split` (`train` when no split is given);
   - from Python, a `datasets.Dataset` itself.
 
-`datasets` reads files into memory-mapped arrow tables (its cache), so a source of any size costs
-the same memory: rows are taken one at a time as the data loader asks for them and tokenised then
+A plain `.jsonl` file, the format the docs teach, is read without `datasets` (`JsonlRows`: by the
+byte offset of each line); every other source by `datasets`, which reads files into memory-mapped
+arrow tables (its cache). Either way a source of any size costs the same memory: rows are taken one at a time as the data loader asks for them and tokenised then
 (`data.TokenizedRows`). `gradian index` reads them through `StreamedRows`, with plain reads, since
 every page read through a memory map stays in the process's RSS. Columns named otherwise are mapped by `data.Fields` (`data.prompt_field`
 ...). The checks here read the schema and, batch by batch, the id column: one line of error before
@@ -22,7 +23,9 @@ A source's `fingerprint` is what an index records of it: the SHA-256 of a file's
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from array import array
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -100,19 +103,25 @@ def _split_path(source: str) -> Tuple[str, Optional[str]]:
 
 
 def load_source(source: Any, key: str = "data.train") -> Any:
-    """The `datasets.Dataset` that `source` names (see the module docstring); `DataError` in one
-    line naming `key` when it cannot be read. A `datasets.Dataset` is returned as it is."""
-    import datasets
+    """The rows that `source` names (see the module docstring): `JsonlRows` for a plain `.jsonl`
+    file, else a `datasets.Dataset`; `DataError` in one line naming `key` when it cannot be read.
+    A `datasets.Dataset` is returned as it is."""
+    if not isinstance(source, (str, Path)):
+        import datasets
 
-    if isinstance(source, datasets.Dataset):
-        return source
-    if isinstance(source, (datasets.DatasetDict, datasets.IterableDataset, datasets.IterableDatasetDict)):
-        raise DataError(
-            f"{key} is a {type(source).__name__}; pass one split as a datasets.Dataset (an IterableDataset has no length, and rows land at their positions)"
-        )
+        if isinstance(source, datasets.Dataset):
+            return source
+        if isinstance(source, (datasets.DatasetDict, datasets.IterableDataset, datasets.IterableDatasetDict)):
+            raise DataError(
+                f"{key} is a {type(source).__name__}; pass one split as a datasets.Dataset (an IterableDataset has no length, and rows land at their positions)"
+            )
     check_source_path(source, key)
     text, split = _split_path(str(source))
     path = Path(os.path.expanduser(text))
+    if path.is_file() and [s.lower() for s in path.suffixes[-1:]] == [".jsonl"]:
+        return JsonlRows(path)
+    import datasets
+
     with _quiet_datasets():
         if path.is_file():
             return _load_file(path, builder_of(path), key)
@@ -171,6 +180,107 @@ def _load_file(path: Path, builder: str, key: str) -> Any:
         ) from None
 
 
+def _kind(value: Any) -> str:
+    # What a JSON value is, as `check_columns` asks of a column (a chat is a list of turns with text).
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        return type(value).__name__
+    if isinstance(value, int):
+        return "int"
+    chat = all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in value)
+    return "messages" if chat else "list"
+
+
+class JsonlRows:
+    """The rows of a plain `.jsonl` file: `rows[i]` is the JSON object on its i-th non-blank line.
+
+    Why not `datasets` for the format the docs teach: importing it (with pyarrow and pandas) costs
+    a command 80 MiB of RSS and 1.3 s of CPU, as much as a small index's whole capture may spend
+    over a plain training step's (benchmarks/RESULTS.md §1b), and a JSONL file needs no arrow table.
+    One pass at opening parses every line (a malformed one is an error naming it), keeps each row's
+    byte offset (8 bytes a row) and, per column, the first row holding each kind of value
+    (`kinds`), which `check_columns` reads as it reads a `datasets` schema. A row is then one seek
+    and one `json.loads`: no memory map whose pages stay in RSS (`StreamedRows`), no cache on disk.
+    A key a row lacks reads as null, as in a `datasets` table.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        starts = array("q")
+        self.kinds: Dict[str, Dict[str, int]] = {}  # column -> kind of value -> first row holding one
+        try:
+            with open(self.path, "rb") as file:
+                at = 0
+                for number, line in enumerate(file, start=1):
+                    start, at = at, at + len(line)
+                    if line.strip():
+                        for column, value in self._parse(line, number).items():
+                            self.kinds.setdefault(column, {}).setdefault(_kind(value), len(starts))
+                        starts.append(start)
+        except OSError as err:
+            raise DataError(
+                f"data file {str(self.path)!r} cannot be read ({type(err).__name__}: {err.strerror}); fix its permissions"
+            ) from None
+        self.size = at
+        self.starts = np.frombuffer(starts, dtype=np.int64).copy() if len(starts) else np.zeros(0, np.int64)
+        self.column_names = list(self.kinds)  # in the order rows first name them
+        self._file: Any = None
+        self._pid = -1
+
+    def _parse(self, line: bytes, number: int) -> Dict[str, Any]:
+        try:
+            row = json.loads(line)
+        except UnicodeDecodeError:
+            raise DataError(f"{self.path}:{number}: not UTF-8 text; save the file as UTF-8") from None
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{self.path}:{number}: malformed JSON ({err.msg}); each line must be one JSON object"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(f"{self.path}:{number}: expected a JSON object per line, got {type(row).__name__}")
+        return row
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        i = int(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        i %= len(self)
+        if self._file is None or self._pid != os.getpid():  # a data-loader worker opens its own
+            self._file, self._pid = open(self.path, "rb"), os.getpid()  # noqa: SIM115 (kept open between rows)
+        end = int(self.starts[i + 1]) if i + 1 < len(self) else self.size
+        self._file.seek(int(self.starts[i]))
+        return {**dict.fromkeys(self.column_names), **json.loads(self._file.read(end - int(self.starts[i])))}
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        return (self[i] for i in range(len(self)))
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "_file": None, "_pid": -1}  # a process that unpickles it opens the file
+
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+
+    def column(self, name: str, size: int) -> Iterator[List[Any]]:
+        """The values of column `name` (None where a row lacks it), `size` rows at a time, read forward."""
+        batch: List[Any] = []
+        with open(self.path, "rb") as file:
+            for line in file:
+                if line.strip():
+                    batch.append(json.loads(line).get(name))
+                    if len(batch) == size:
+                        yield batch
+                        batch = []
+        if batch:
+            yield batch
+
+
 def fingerprint_of(source: Any, dataset: Any) -> str:
     """What an index records of a source: the SHA-256 of a file's bytes (it changes exactly when
     they do), else the dataset's `datasets` fingerprint."""
@@ -212,6 +322,22 @@ def _arrow_type_ok(feature: Any, wanted: str) -> bool:
     return False
 
 
+# The kinds of JSON value each column type takes (`_kind`); null is an absent value.
+JSON_KINDS = {"string": {"string", "null"}, "id": {"string", "int", "null"}, "messages": {"messages", "null"}}
+ALLOWED = {"string": "strings", "id": "strings or integers", "messages": 'lists of {"role": ..., "content": "text"}'}
+
+
+def _check_json_kinds(rows: JsonlRows, column: str, what: str, wanted: str, name: str) -> None:
+    # The first row whose value in `column` is not of a kind `wanted` takes, named with its value.
+    bad = [row for kind, row in rows.kinds[column].items() if kind not in JSON_KINDS[wanted]]
+    if bad:
+        value = json.dumps(rows[min(bad)][column])
+        value = value if len(value) <= 40 else value[:39] + "…"
+        raise DataError(
+            f"{name} row {min(bad) + 1}: column {column!r} (data.{what}) holds {value}; it must hold {ALLOWED[wanted]}"
+        )
+
+
 def _likely(part: str, columns: List[str], id_column: str) -> str:
     """The column most likely meant for `part` (prompt, completion, ...): its default name when
     present, else the first column that is not the id."""
@@ -249,16 +375,14 @@ def check_columns(dataset: Any, fields: Fields, name: str) -> None:
     for column, (what, wanted) in setting.items():
         if column not in columns:
             continue
+        if isinstance(dataset, JsonlRows):
+            _check_json_kinds(dataset, column, what, wanted, name)
+            continue
         feature = dataset.features[column]
         if getattr(feature, "dtype", None) == "null":
             continue  # every value null: no row takes this format, each is checked when tokenised
         if not _arrow_type_ok(feature, wanted):
-            allowed = {
-                "string": "strings",
-                "id": "strings or integers",
-                "messages": 'lists of {"role": ..., "content": "text"}',
-            }[wanted]
-            raise DataError(f"{name}: column {column!r} (data.{what}) holds {feature}; it must hold {allowed}")
+            raise DataError(f"{name}: column {column!r} (data.{what}) holds {feature}; it must hold {ALLOWED[wanted]}")
 
 
 def ids_of(dataset: Any, fields: Fields) -> Iterator[List[Any]]:
@@ -266,6 +390,9 @@ def ids_of(dataset: Any, fields: Fields) -> Iterator[List[Any]]:
     from gradian_lightning.data import ID_BATCH  # torch: only once rows are read
 
     if fields.id not in dataset.column_names:
+        return
+    if isinstance(dataset, JsonlRows):
+        yield from dataset.column(fields.id, ID_BATCH)
         return
     column = dataset.select_columns([fields.id])
     for lo in range(0, len(dataset), ID_BATCH):
@@ -415,6 +542,8 @@ def streamed_rows(dataset: Any) -> Any:
     selection or order of its own, no output format), else `dataset` itself, read through its map.
 
     The caller drops its own reference to `dataset`, so that the map closes and its pages leave RSS."""
+    if isinstance(dataset, JsonlRows):
+        return dataset  # read by line offsets already
     import pyarrow as pa
 
     files = [entry["filename"] for entry in dataset.cache_files]

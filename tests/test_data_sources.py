@@ -3,6 +3,9 @@ its JSONL twin, compared on the stored rows, ids, losses and token counts."""
 
 import gzip
 import json
+import pickle
+import subprocess
+import sys
 
 import datasets
 import numpy as np
@@ -12,7 +15,7 @@ from conftest import ROWS, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.data import Fields, id_hashes
-from gradian_lightning.data_sources import StreamedRows, first_repeat, open_rows, streamed_rows
+from gradian_lightning.data_sources import JsonlRows, StreamedRows, first_repeat, ids_of, open_rows, streamed_rows
 from gradian_lightning.errors import DataError
 from gradian_lightning.recipes.index import run_index
 
@@ -158,3 +161,63 @@ def test_a_dataset_that_is_not_its_files_is_read_as_it_is(tmp_path):
         as_dataset(rows),  # in memory: no files
     ):
         assert streamed_rows(view) is view
+
+
+def test_a_jsonl_file_is_read_without_datasets_and_gives_its_rows(tmp_path):
+    # JsonlRows against datasets' own reading of the same file: every row, in any order a loader
+    # asks (a key a row lacks reads as null in both), after pickling (a data-loader worker), and
+    # the ids in batches; a blank line is no row.
+    rows = [{**r, "id": f"r{i}"} for i, r in enumerate(ROWS * 3)]
+    rows[4].pop("id")  # a row without an id
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + ("\n\n" if i == 2 else "\n") for i, r in enumerate(rows)))
+    want = datasets.load_dataset("json", data_files=str(path), split="train")
+    got = open_rows(path, Fields())
+    assert isinstance(got, JsonlRows) and len(got) == len(want) == len(rows)
+    assert sorted(got.column_names) == sorted(want.column_names)
+    order = [*range(len(rows)), *reversed(range(len(rows))), 5, 1, -1]
+    assert [got[i] for i in order] == [want[i % len(rows)] for i in order]
+    assert list(pickle.loads(pickle.dumps(got))) == list(want)
+    assert [v for batch in ids_of(got, Fields()) for v in batch] == want["id"]
+    assert streamed_rows(got) is got  # already read by line, no memory map to close
+    # The whole index path: no datasets, no pyarrow in the process (their import is 80 MiB and 1.3 s).
+    code = (
+        "import sys; from gradian_lightning.data_sources import open_rows, streamed_rows; "
+        "from gradian_lightning.specs import Fields; "
+        f"rows = streamed_rows(open_rows({str(path)!r}, Fields())); [rows[i] for i in range(len(rows))]; "
+        "print(sorted(m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_jsonl_files_mistakes_name_the_line_or_row(tmp_path):
+    fields = Fields()
+
+    def write(name, text):
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return path
+
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: malformed JSON"):
+        open_rows(write("bad.jsonl", '{"text": "a"}\n\n{"text": \n'), fields)
+    with pytest.raises(DataError, match=r"list\.jsonl:2: expected a JSON object per line, got list"):
+        open_rows(write("list.jsonl", '{"text": "a"}\n["text"]\n'), fields)
+    with pytest.raises(DataError, match=r"latin\.jsonl:2: not UTF-8 text; save the file as UTF-8"):
+        open_rows(write("latin.jsonl", '{"text": "a"}\n{"text": "caf\xe9"}\n'.encode("latin-1")), fields)
+    # A value of the wrong kind: the first row that holds one, with the value (datasets refuses a
+    # column of mixed kinds without naming a row).
+    with pytest.raises(
+        DataError, match=r"mixed\.jsonl row 3: column 'text' \(data.text_field\) holds 5; it must hold strings"
+    ):
+        open_rows(write("mixed.jsonl", '{"text": "a"}\n{"text": null}\n{"text": 5}\n{"text": [1]}\n'), fields)
+    with pytest.raises(DataError, match=r"row 2: column 'messages' \(data.messages_field\) holds \[\{\"role\""):
+        open_rows(write("chat.jsonl", '{"text": "a"}\n{"messages": [{"role": "user", "content": 1}]}\n'), fields)
+    with pytest.raises(
+        DataError, match=r"row 1: column 'id' \(data.id_field\) holds 1.5; it must hold strings or integers"
+    ):
+        open_rows(write("ids.jsonl", '{"id": 1.5, "text": "a"}\n'), fields)
+    with pytest.raises(DataError, match=r"empty\.jsonl'? has no rows"):
+        open_rows(write("empty.jsonl", "\n\n"), fields)
+    mixed_ids = open_rows(write("fine.jsonl", '{"id": 7, "text": "a"}\n{"id": "x", "text": "b"}\n'), fields)
+    assert [mixed_ids[0]["id"], mixed_ids[1]["id"]] == [7, "x"]  # ids compare by their string form
