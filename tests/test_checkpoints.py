@@ -11,6 +11,7 @@ from test_callback import FineTune, loader, trainer
 
 from gradian_lightning import GradientIndexer, open_index, query_gradients
 from gradian_lightning.errors import ConfigError, IndexMismatchError
+from gradian_lightning.index.checkpoints import checkpoint_weights
 
 
 class DecayingFineTune(FineTune):
@@ -212,3 +213,49 @@ def test_index_and_query_a_base_and_its_fine_tune_from_saved_models(tmp_path, to
     for qi, result in enumerate(got):
         for r in result["results"]:
             assert abs(r["score"] - expected[qi, r["index"]]) < 1e-4
+
+
+class LinearDecayToZero(FineTune):
+    """SGD whose rate falls linearly to 0 over the fit (LinearLR stepped after every optimizer step),
+    the most common fine-tuning schedule. `training_step` notes the rate each optimizer step trains
+    at, keyed by the global step that step makes: the record the indexer's is checked against."""
+
+    def __init__(self, model, total_steps):
+        super().__init__(model)
+        self.total_steps, self.used = total_steps, {}
+
+    def training_step(self, batch, batch_idx):
+        # global_step counts the steps taken: this batch's makes global_step + 1 (validation_step
+        # calls training_step too: not a step)
+        if self.trainer.training:
+            self.used[self.trainer.global_step + 1] = float(self.optimizers().param_groups[0]["lr"])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=self.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def fit_decaying(tmp_path, model, dataset, epochs=3, **indexer_kwargs):
+    """A fit of `epochs` epochs of 4 steps each under `LinearDecayToZero`, indexed at every validation run."""
+    indexer = GradientIndexer(
+        tmp_path / "ix", module_filter="down_proj", projection_dim=4, storage_dtype="float32", checkpoints=True
+    )
+    module = LinearDecayToZero(model, total_steps=4 * epochs)
+    trainer(tmp_path, [indexer], max_epochs=epochs, num_sanity_val_steps=0, **indexer_kwargs).fit(
+        module, train_dataloaders=loader(dataset, 2), val_dataloaders=loader(dataset)
+    )
+    return open_index(tmp_path / "ix"), module.used
+
+
+def test_each_checkpoint_weighs_by_the_rate_of_the_step_that_made_it(tmp_path, model, dataset):
+    index, used = fit_decaying(tmp_path, model, dataset)
+    assert sorted(used) == list(range(1, 13)) and used[12] > 0  # 12 steps, the last at 0.5 / 12
+    steps = [e["step"] for e in index.checkpoints]
+    assert steps == [4, 8, 12]
+    # Each checkpoint's rate is the one its last optimizer step trained at, not the next step's
+    # (which the scheduler has set by the validation run: 0 after the last step).
+    assert [e["lr"] for e in index.checkpoints] == [pytest.approx(used[s], rel=1e-12) for s in steps]
+    weights = checkpoint_weights(index.checkpoints, "all")
+    assert weights[-1][1] == pytest.approx(used[12] / sum(used[s] for s in steps))  # the fine-tuned model counts
