@@ -1,7 +1,7 @@
 """`GradientIndexer`: Lightning's validation loop and ranks mapped onto an `IndexSession` (index/session.py).
 
-on_before_optimizer_step   every rank: the learning rate this optimizer step trains at, noted (read only)
-on_validation_epoch_start  rank 0: session.begin(rows, step, that rate) -> rows to do, broadcast to every rank
+on_before_optimizer_step   every rank: the learning rate this optimizer step trains at, summed (read only)
+on_validation_epoch_start  rank 0: session.begin(rows, step, the segment's mean rate) -> rows to do, broadcast
 on_validation_batch_end    every rank: session.compute(batch); gathered; rank 0: session.write
 on_validation_epoch_end    rank 0: session.finish -> summary
 on_exception               rank 0: session.abort (rows computed so far are kept)
@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import find_causal_lm
+from gradian_lightning.index.checkpoints import SegmentRate
 from gradian_lightning.index.layout import read_meta
 from gradian_lightning.index.session import BatchRows, IndexSession
 from gradian_lightning.specs import ROW_SETTINGS, IndexSpec, is_int, spec_from_arguments
@@ -68,10 +69,10 @@ class GradientIndexer(L.Callback):
     Args:
         path, overwrite, meta, rows_per_chunk, checkpoints, append: the `IndexSession`'s (index/session.py);
             `{step}` in `path` keeps one index per validation run, keyed by global step; with
-            `checkpoints` every run is one checkpoint of one index, with the learning rate of the
-            first optimizer's first parameter group at the optimizer step that made its weights
-            (before any step: the rate the first will take), so `query.checkpoints=all` sums them
-            weighted as TracIn-CP does.
+            `checkpoints` every run is one checkpoint of one index, with the mean learning rate
+            (the first optimizer's first parameter group's) of the optimizer steps since the run
+            indexed before it (`SegmentRate`; before any step, the rate the first will take), so
+            `query.checkpoints=all` sums them weighted as TracIn-CP and LESS do.
         spec_values, spec_settings: the `IndexSpec`'s settings (specs.py, `grads.*`), positional
             in its field order after `path` (`GradientIndexer("ix", "down_proj", 16)`) or by name;
             an unknown name is refused in one line that lists the valid ones. Or `spec`: the
@@ -113,7 +114,7 @@ class GradientIndexer(L.Callback):
         self.verbose, self.every_n_val_runs = verbose, every_n_val_runs
         self.runs: List[Dict[str, Any]] = []  # finished runs, oldest first: {"step", "path", "rows", "complete"}
         self._val_runs, self._todo = 0, None
-        self._step_lr: Any = None  # the learning rate of the latest optimizer step (a float, or a tensor's copy)
+        self.rate = SegmentRate()  # the learning rates of the optimizer steps since the last indexed run
 
     @property
     def summary(self) -> Optional[Dict[str, Any]]:
@@ -137,14 +138,13 @@ class GradientIndexer(L.Callback):
             "runs": [dict(r) for r in self.runs],
             "settings": self._settings(),
             "val_runs": self._val_runs,
-            "step_lr": _number(self._step_lr),
+            **self.rate.state(),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.runs = [dict(r) for r in state_dict.get("runs", [])]
         self._val_runs = int(state_dict.get("val_runs", 0))  # every_n_val_runs counts on across the resume
-        # A fit resumed inside a validation run (Lightning finishes it) indexes before any step of its own.
-        self._step_lr = state_dict.get("step_lr")
+        self.rate.load(state_dict)  # the segment's steps before the resume count on
         saved, now = state_dict.get("settings"), self._settings()
         if saved is not None and saved != now:
             changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v)
@@ -181,7 +181,7 @@ class GradientIndexer(L.Callback):
         first = trainer.optimizers[0] if trainer.optimizers else None
         if first is None or (len(trainer.optimizers) > 1 and getattr(optimizer, "_optimizer", optimizer) is not first):
             return  # another optimizer's step (manual optimization): the first's rate is the one recorded
-        self._step_lr = _learning_rate(first)
+        self.rate.step(first.param_groups[0]["lr"])
 
     def _active(self, trainer: L.Trainer, dataloader_idx: int = 0) -> bool:
         return not trainer.sanity_checking and dataloader_idx == self.dataloader_idx
@@ -194,10 +194,9 @@ class GradientIndexer(L.Callback):
             return
         num_rows = _num_rows(trainer.val_dataloaders, self.dataloader_idx)
         todo = None
+        lr = self.rate.close(_learning_rate(trainer.optimizers))  # every rank: the next segment opens
         if trainer.is_global_zero:
-            # Before any step of this fit (a validation run at step 0), the rate the first step will take.
-            lr = self._step_lr if self._step_lr is not None else _learning_rate(trainer.optimizers)
-            todo = self.session.begin(num_rows, int(trainer.global_step), _number(lr))
+            todo = self.session.begin(num_rows, int(trainer.global_step), lr)
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self.session.expect(self._todo)
 
@@ -254,22 +253,10 @@ class GradientIndexer(L.Callback):
         self.session.abort()  # rank 0's writer keeps the rows it has; other ranks hold none
 
 
-def _learning_rate(optimizer: Any) -> Any:
-    """The first parameter group's learning rate now (of the first optimizer, given a list), or None
-    without one (`trainer.validate`). A tensor rate (capturable optimizers) is copied, not read: the
-    scheduler updates it in place, and reading it on the GPU would synchronise every step."""
-    if isinstance(optimizer, (list, tuple)):
-        optimizer = optimizer[0] if optimizer else None
-    groups = getattr(optimizer, "param_groups", None)
-    if not groups:
-        return None
-    lr = groups[0]["lr"]
-    return lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
-
-
-def _number(lr: Any) -> Optional[float]:
-    """A learning rate as `_learning_rate` keeps it, as a float (None stays None)."""
-    return None if lr is None else float(lr)
+def _learning_rate(optimizers: List[Any]) -> Optional[float]:
+    """The first optimizer's first parameter group's learning rate now, or None without one (`trainer.validate`)."""
+    groups = getattr(optimizers[0], "param_groups", None) if optimizers else None
+    return float(groups[0]["lr"]) if groups else None
 
 
 def gathered(strategy: Any, computed: BatchRows) -> BatchRows:

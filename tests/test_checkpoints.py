@@ -12,6 +12,7 @@ from test_callback import FineTune, loader, trainer
 from gradian_lightning import GradientIndexer, open_index, query_gradients
 from gradian_lightning.errors import ConfigError, IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_weights
+from gradian_lightning.saved_models import saved_models
 
 
 class DecayingFineTune(FineTune):
@@ -237,25 +238,61 @@ class LinearDecayToZero(FineTune):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def fit_decaying(tmp_path, model, dataset, epochs=3, **indexer_kwargs):
-    """A fit of `epochs` epochs of 4 steps each under `LinearDecayToZero`, indexed at every validation run."""
+def fit_decaying(tmp_path, model, dataset, epochs=3, every_n_val_runs=1, callbacks=(), **trainer_kwargs):
+    """A fit of `epochs` epochs of 4 steps each under `LinearDecayToZero`, indexed at every
+    `every_n_val_runs`-th validation run: (the index, the rate of each step, the indexer)."""
     indexer = GradientIndexer(
-        tmp_path / "ix", module_filter="down_proj", projection_dim=4, storage_dtype="float32", checkpoints=True
+        tmp_path / "ix",
+        module_filter="down_proj",
+        projection_dim=4,
+        storage_dtype="float32",
+        checkpoints=True,
+        every_n_val_runs=every_n_val_runs,
     )
     module = LinearDecayToZero(model, total_steps=4 * epochs)
-    trainer(tmp_path, [indexer], max_epochs=epochs, num_sanity_val_steps=0, **indexer_kwargs).fit(
+    trainer(tmp_path, [indexer, *callbacks], max_epochs=epochs, num_sanity_val_steps=0, **trainer_kwargs).fit(
         module, train_dataloaders=loader(dataset, 2), val_dataloaders=loader(dataset)
     )
-    return open_index(tmp_path / "ix"), module.used
+    return open_index(tmp_path / "ix"), module.used, indexer
 
 
-def test_each_checkpoint_weighs_by_the_rate_of_the_step_that_made_it(tmp_path, model, dataset):
-    index, used = fit_decaying(tmp_path, model, dataset)
-    assert sorted(used) == list(range(1, 13)) and used[12] > 0  # 12 steps, the last at 0.5 / 12
+def segment_means(used, steps):
+    """The mean rate of the steps after the checkpoint before each of `steps` (from step 1 for the first), up to it."""
+    return [np.mean([used[k] for k in range(after + 1, step + 1)]) for after, step in zip([0, *steps[:-1]], steps)]
+
+
+@pytest.mark.parametrize("every_n_val_runs", [1, 2])
+def test_each_checkpoint_weighs_by_the_rates_of_the_steps_that_made_it(tmp_path, model, dataset, every_n_val_runs):
+    index, used, indexer = fit_decaying(tmp_path, model, dataset, epochs=4, every_n_val_runs=every_n_val_runs)
+    assert sorted(used) == list(range(1, 17)) and used[16] > 0  # 16 steps, the last at 0.5 / 16
     steps = [e["step"] for e in index.checkpoints]
-    assert steps == [4, 8, 12]
-    # Each checkpoint's rate is the one its last optimizer step trained at, not the next step's
-    # (which the scheduler has set by the validation run: 0 after the last step).
-    assert [e["lr"] for e in index.checkpoints] == [pytest.approx(used[s], rel=1e-12) for s in steps]
+    assert steps == [4, 8, 12, 16][every_n_val_runs - 1 :: every_n_val_runs]
+    # Each checkpoint's rate is the mean of those its segment's steps trained at, not the rate the
+    # scheduler has set for the next step by the validation run (0 after the last step), nor the
+    # last step's alone (0.5 / 16 at the end): the fine-tuned model keeps its share of the sum.
+    want = segment_means(used, steps)
+    assert [e["lr"] for e in index.checkpoints] == [pytest.approx(w, rel=1e-12) for w in want]
     weights = checkpoint_weights(index.checkpoints, "all")
-    assert weights[-1][1] == pytest.approx(used[12] / sum(used[s] for s in steps))  # the fine-tuned model counts
+    assert weights[-1][1] == pytest.approx(want[-1] / sum(want))
+    if every_n_val_runs == 1:  # the last step's rate alone would give it 3.4% of the sum, the next step's 0
+        assert weights[-1][1] == pytest.approx(0.0735, abs=1e-4)
+    # A Lightning checkpoint saved now holds the segment so far (here: none since the last run), to sum on after a resume.
+    assert indexer.state_dict()["lr_steps"] == 0 and indexer.state_dict()["lr"] == pytest.approx(want[-1])
+
+
+def test_ckpt_files_of_the_same_fit_give_their_segments_rates(tmp_path, model, dataset):
+    """`model.checkpoints` listing the .ckpt files ModelCheckpoint saved after each validation run:
+    a .ckpt holds the rate of the step after it (the scheduler has stepped), so each segment's mean
+    is interpolated from the .ckpt before it: exact under LinearLR, as the callback records it; the
+    first, with no .ckpt before it, has the rate of the step after it."""
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, filename="{step}")
+    index, used, _ = fit_decaying(tmp_path, model, dataset, epochs=4, callbacks=[saver], enable_checkpointing=True)
+    steps = [e["step"] for e in index.checkpoints]
+    ckpts = [str(tmp_path / "ckpt" / f"step={s}.ckpt") for s in steps]
+    listed = saved_models(ckpts)
+    assert [s.step for s in listed] == steps == [4, 8, 12, 16]
+    want = segment_means(used, steps)
+    assert [s.lr for s in listed[1:]] == [pytest.approx(w, rel=1e-9) for w in want[1:]]
+    assert [e["lr"] for e in index.checkpoints[1:]] == [pytest.approx(s.lr, rel=1e-9) for s in listed[1:]]
+    assert listed[0].lr == pytest.approx(used[5])  # all step=4.ckpt knows: 0.375 against the segment's 0.453
+    assert listed[-1].lr > 0  # the last file holds 0, the rate after a decay to 0
