@@ -296,3 +296,29 @@ def test_ckpt_files_of_the_same_fit_give_their_segments_rates(tmp_path, model, d
     assert [e["lr"] for e in index.checkpoints[1:]] == [pytest.approx(s.lr, rel=1e-9) for s in listed[1:]]
     assert listed[0].lr == pytest.approx(used[5])  # all step=4.ckpt knows: 0.375 against the segment's 0.453
     assert listed[-1].lr > 0  # the last file holds 0, the rate after a decay to 0
+
+
+def test_a_resumed_fit_sums_the_segments_steps_from_before_the_resume(tmp_path, tokenizer, dataset):
+    """Stopped at step 6 (a .ckpt saved there, mid-segment) and resumed: the checkpoint at step 8 weighs
+    by the mean rate of steps 5-8, the two before the resume summed in the indexer's state in the .ckpt."""
+    from conftest import make_model
+
+    def run(ckpt_path=None, **trainer_kwargs):
+        indexer = GradientIndexer(
+            tmp_path / "ix", module_filter="down_proj", projection_dim=4, storage_dtype="float32", checkpoints=True
+        )
+        saver = L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"
+        )
+        module = LinearDecayToZero(make_model(len(tokenizer)), total_steps=16)
+        fit = trainer(tmp_path, [indexer, saver], num_sanity_val_steps=0, enable_checkpointing=True, **trainer_kwargs)
+        fit.fit(module, loader(dataset, 2), loader(dataset), ckpt_path=ckpt_path)
+        return module.used
+
+    used = run(max_steps=6)
+    assert sorted(used) == [1, 2, 3, 4, 5, 6] and (tmp_path / "ckpt" / "step=6.ckpt").is_file()
+    used.update(run(ckpt_path=str(tmp_path / "ckpt" / "step=6.ckpt"), max_epochs=2))
+    assert sorted(used) == list(range(1, 9))
+    index = open_index(tmp_path / "ix")
+    assert [e["step"] for e in index.checkpoints] == [4, 8]
+    assert [e["lr"] for e in index.checkpoints] == [pytest.approx(w, rel=1e-12) for w in segment_means(used, [4, 8])]
