@@ -322,3 +322,13 @@ def test_a_resumed_fit_sums_the_segments_steps_from_before_the_resume(tmp_path, 
     index = open_index(tmp_path / "ix")
     assert [e["step"] for e in index.checkpoints] == [4, 8]
     assert [e["lr"] for e in index.checkpoints] == [pytest.approx(w, rel=1e-12) for w in segment_means(used, [4, 8])]
+
+
+def test_an_older_index_with_a_zero_rate_is_read_and_said():
+    """An index GradientIndexer wrote before segment rates holds the next step's rate: 0 for the last
+    checkpoint of a decay to 0. It is read as it is, and a sum that gives a checkpoint no weight says so."""
+    old = [{"step": 4, "lr": 0.3333}, {"step": 8, "lr": 0.1667}, {"step": 12, "lr": 0.0}]
+    with pytest.warns(UserWarning, match=r"sums checkpoints \[12\], whose recorded learning rate is 0"):
+        weights = checkpoint_weights(old, "all")
+    assert [w for _, w in weights] == pytest.approx([0.3333 / 0.5, 0.1667 / 0.5, 0.0])
+    assert [w for _, w in checkpoint_weights(old, [4, 8])] == pytest.approx([0.3333 / 0.5, 0.1667 / 0.5])

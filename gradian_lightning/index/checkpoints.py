@@ -15,6 +15,7 @@ index written without `checkpoints=True`) is its own single checkpoint at its `g
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -172,5 +173,11 @@ def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tu
     lrs = [e.get("lr") for e in chosen]
     if any(lr is None for lr in lrs) or sum(float(lr) for lr in lrs) <= 0:
         return [(e, 1.0 / len(chosen)) for e in chosen]
+    zero = [int(e["step"]) for e, lr in zip(chosen, lrs) if float(lr) == 0]
+    if zero:  # said, not changed: a segment trained at rate 0 does add nothing
+        warnings.warn(
+            f"query.checkpoints={which!r} sums checkpoints {zero}, whose recorded learning rate is 0: they add nothing to the scores (GradientIndexer before segment rates recorded the next step's rate, 0 after a decay to 0); rebuild the index with gradian index and model.checkpoints, or list the steps to sum in query.checkpoints",
+            stacklevel=2,
+        )
     total = sum(float(lr) for lr in lrs)
     return [(e, float(lr) / total) for e, lr in zip(chosen, lrs)]
