@@ -221,9 +221,9 @@ class LinearDecayToZero(FineTune):
     the most common fine-tuning schedule. `training_step` notes the rate each optimizer step trains
     at, keyed by the global step that step makes: the record the indexer's is checked against."""
 
-    def __init__(self, model, total_steps):
+    def __init__(self, model, total_steps, tensor_lr=False):
         super().__init__(model)
-        self.total_steps, self.used = total_steps, {}
+        self.total_steps, self.tensor_lr, self.used = total_steps, tensor_lr, {}
 
     def training_step(self, batch, batch_idx):
         # global_step counts the steps taken: this batch's makes global_step + 1 (validation_step
@@ -233,12 +233,15 @@ class LinearDecayToZero(FineTune):
         return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        # A tensor rate, as capturable optimizers take, is updated in place by the scheduler.
+        optimizer = torch.optim.SGD(self.parameters(), lr=torch.tensor(0.5) if self.tensor_lr else 0.5)
         schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def fit_decaying(tmp_path, model, dataset, epochs=3, every_n_val_runs=1, callbacks=(), **trainer_kwargs):
+def fit_decaying(
+    tmp_path, model, dataset, epochs=3, every_n_val_runs=1, callbacks=(), tensor_lr=False, **trainer_kwargs
+):
     """A fit of `epochs` epochs of 4 steps each under `LinearDecayToZero`, indexed at every
     `every_n_val_runs`-th validation run: (the index, the rate of each step, the indexer)."""
     indexer = GradientIndexer(
@@ -249,7 +252,7 @@ def fit_decaying(tmp_path, model, dataset, epochs=3, every_n_val_runs=1, callbac
         checkpoints=True,
         every_n_val_runs=every_n_val_runs,
     )
-    module = LinearDecayToZero(model, total_steps=4 * epochs)
+    module = LinearDecayToZero(model, total_steps=4 * epochs, tensor_lr=tensor_lr)
     trainer(tmp_path, [indexer, *callbacks], max_epochs=epochs, num_sanity_val_steps=0, **trainer_kwargs).fit(
         module, train_dataloaders=loader(dataset, 2), val_dataloaders=loader(dataset)
     )
@@ -261,9 +264,13 @@ def segment_means(used, steps):
     return [np.mean([used[k] for k in range(after + 1, step + 1)]) for after, step in zip([0, *steps[:-1]], steps)]
 
 
-@pytest.mark.parametrize("every_n_val_runs", [1, 2])
-def test_each_checkpoint_weighs_by_the_rates_of_the_steps_that_made_it(tmp_path, model, dataset, every_n_val_runs):
-    index, used, indexer = fit_decaying(tmp_path, model, dataset, epochs=4, every_n_val_runs=every_n_val_runs)
+@pytest.mark.parametrize("every_n_val_runs, tensor_lr", [(1, False), (2, False), (1, True)])
+def test_each_checkpoint_weighs_by_the_rates_of_the_steps_that_made_it(
+    tmp_path, model, dataset, every_n_val_runs, tensor_lr
+):
+    index, used, indexer = fit_decaying(
+        tmp_path, model, dataset, epochs=4, every_n_val_runs=every_n_val_runs, tensor_lr=tensor_lr
+    )
     assert sorted(used) == list(range(1, 17)) and used[16] > 0  # 16 steps, the last at 0.5 / 16
     steps = [e["step"] for e in index.checkpoints]
     assert steps == [4, 8, 12, 16][every_n_val_runs - 1 :: every_n_val_runs]
