@@ -150,10 +150,14 @@ def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer,
 
 def test_model_checkpoints_key_trainer_checkpoint_dirs_as_the_callback_does(tmp_path, tokenizer, dataset):
     """`model.checkpoints` listing the Trainer's own checkpoint-<step> directories keys each by the
-    global step in its trainer_state.json, with the learning rate the Trainer logged at that step:
-    what HFGradientIndexer(checkpoints=True) records at the same saves."""
+    global step in its trainer_state.json, with the mean of the learning rates the Trainer logged
+    since the entry before it: what HFGradientIndexer(checkpoints=True) records at the same saves."""
     indexer = HFGradientIndexer(tmp_path / "ix", dataset, at="save", batch_size=4, checkpoints=True, **SETTINGS)
-    trainer = train(tmp_path, tokenizer, dataset, [indexer], save_steps=2, save_strategy="steps", save_only_model=True)
+    every_other = HFGradientIndexer(
+        tmp_path / "ix2", dataset, at="save", batch_size=4, checkpoints=True, every_n=2, verbose=False, **SETTINGS
+    )
+    saves = {"save_steps": 2, "save_strategy": "steps", "save_only_model": True}
+    trainer = train(tmp_path, tokenizer, dataset, [indexer, every_other], **saves)
     folders = [str(tmp_path / "out" / f"checkpoint-{s}") for s in (2, 4)]
     listed = saved_models([str(tmp_path / "base"), *folders])
     recorded = [(e["step"], e["lr"]) for e in open_index(tmp_path / "ix").checkpoints]
@@ -161,7 +165,10 @@ def test_model_checkpoints_key_trainer_checkpoint_dirs_as_the_callback_does(tmp_
         (s, pytest.approx(m, rel=1e-12)) for s, m in zip((2, 4), segment_means(logged_rates(trainer), [2, 4]))
     ]
     assert [(s.step, s.lr) for s in listed] == [(0, None), *recorded]  # a plain directory first: step 0, no rate
-    # Listed alone, the last is its segment since the start: what every_n=2 would have recorded.
+    # Listed alone, the last is its segment since the start: what every_n=2 records.
+    assert [(e["step"], e["lr"]) for e in open_index(tmp_path / "ix2").checkpoints] == [
+        (4, pytest.approx(np.mean([0.01, 0.0075, 0.005, 0.0025]), rel=1e-12))
+    ]
     assert saved_models(folders[1:])[0].lr == pytest.approx(np.mean([0.01, 0.0075, 0.005, 0.0025]), rel=1e-12)
     with pytest.raises(ConfigError, match="oldest first") as e:
         saved_models(folders[::-1])
