@@ -175,9 +175,10 @@ def checkpoint_weights(entries: Sequence[Dict[str, Any]], which: Any) -> List[Tu
         return [(e, 1.0 / len(chosen)) for e in chosen]
     zero = [int(e["step"]) for e, lr in zip(chosen, lrs) if float(lr) == 0]
     if zero:  # said, not changed: a segment trained at rate 0 does add nothing
+        # stacklevel=1, from here: one place, so a query that weighs its checkpoints several times says it once.
         warnings.warn(
             f"query.checkpoints={which!r} sums checkpoints {zero}, whose recorded learning rate is 0: they add nothing to the scores (GradientIndexer before segment rates recorded the next step's rate, 0 after a decay to 0); rebuild the index with gradian index and model.checkpoints, or list the steps to sum in query.checkpoints",
-            stacklevel=2,
+            stacklevel=1,
         )
     total = sum(float(lr) for lr in lrs)
     return [(e, float(lr) / total) for e, lr in zip(chosen, lrs)]
