@@ -287,6 +287,15 @@ def test_each_checkpoint_weighs_by_the_rates_of_the_steps_that_made_it(
     assert indexer.state_dict()["lr_steps"] == 0 and indexer.state_dict()["lr"] == pytest.approx(want[-1])
 
 
+def test_accumulated_batches_are_one_step_at_one_rate(tmp_path, model, dataset):
+    """accumulate_grad_batches=2: two batches make one optimizer step, counted once in its segment."""
+    index, used, _ = fit_decaying(tmp_path, model, dataset, epochs=3, accumulate_grad_batches=2)
+    assert sorted(used) == [1, 2, 3, 4, 5, 6]  # 4 batches an epoch, 2 steps
+    steps = [e["step"] for e in index.checkpoints]
+    assert steps == [2, 4, 6]
+    assert [e["lr"] for e in index.checkpoints] == [pytest.approx(w, rel=1e-12) for w in segment_means(used, steps)]
+
+
 def test_ckpt_files_of_the_same_fit_give_their_segments_rates(tmp_path, model, dataset):
     """`model.checkpoints` listing the .ckpt files ModelCheckpoint saved after each validation run:
     a .ckpt holds the rate of the step after it (the scheduler has stepped), so each segment's mean
