@@ -108,7 +108,7 @@ def main(argv: list | None = None) -> int:
     dataset = JsonlDataset(train_rows, tokenizer, args.max_seq_length, source=args.train)
 
     # At every save (here: every epoch) the training rows are indexed with the weights just saved,
-    # as checkpoint <global step> of one index, with the learning rate of the step that made them.
+    # as checkpoint <global step> of one index, with the mean learning rate of the steps that made them.
     # The rows are the per-example gradients of the LoRA matrices, projected to projection_dim²
     # values per matrix (projection_dim can be at most the LoRA rank: A is r × in, B is out × r).
     indexer = HFGradientIndexer(

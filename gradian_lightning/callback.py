@@ -1,6 +1,7 @@
 """`GradientIndexer`: Lightning's validation loop and ranks mapped onto an `IndexSession` (index/session.py).
 
-on_validation_epoch_start  rank 0: session.begin -> rows to do, broadcast to every rank
+on_before_optimizer_step   every rank: the learning rate this optimizer step trains at, summed (read only)
+on_validation_epoch_start  rank 0: session.begin(rows, step, the segment's mean rate) -> rows to do, broadcast
 on_validation_batch_end    every rank: session.compute(batch); gathered; rank 0: session.write
 on_validation_epoch_end    rank 0: session.finish -> summary
 on_exception               rank 0: session.abort (rows computed so far are kept)
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from gradian_lightning.errors import ConfigError, GradianError
 from gradian_lightning.hub import find_causal_lm
+from gradian_lightning.index.checkpoints import SegmentRate
 from gradian_lightning.index.layout import read_meta
 from gradian_lightning.index.session import BatchRows, IndexSession
 from gradian_lightning.specs import ROW_SETTINGS, IndexSpec, is_int, spec_from_arguments
@@ -67,8 +69,10 @@ class GradientIndexer(L.Callback):
     Args:
         path, overwrite, meta, rows_per_chunk, checkpoints, append: the `IndexSession`'s (index/session.py);
             `{step}` in `path` keeps one index per validation run, keyed by global step; with
-            `checkpoints` every run is one checkpoint of one index, with the first optimizer's
-            learning rate.
+            `checkpoints` every run is one checkpoint of one index, with the mean learning rate
+            (the first optimizer's first parameter group's) of the optimizer steps since the run
+            indexed before it (`SegmentRate`; before any step, the rate the first will take), so
+            `query.checkpoints=all` sums them weighted as TracIn-CP and LESS do.
         spec_values, spec_settings: the `IndexSpec`'s settings (specs.py, `grads.*`), positional
             in its field order after `path` (`GradientIndexer("ix", "down_proj", 16)`) or by name;
             an unknown name is refused in one line that lists the valid ones. Or `spec`: the
@@ -110,6 +114,7 @@ class GradientIndexer(L.Callback):
         self.verbose, self.every_n_val_runs = verbose, every_n_val_runs
         self.runs: List[Dict[str, Any]] = []  # finished runs, oldest first: {"step", "path", "rows", "complete"}
         self._val_runs, self._todo = 0, None
+        self.rate = SegmentRate()  # the learning rates of the optimizer steps since the last indexed run
 
     @property
     def summary(self) -> Optional[Dict[str, Any]]:
@@ -129,11 +134,17 @@ class GradientIndexer(L.Callback):
         return {k: v for k, v in self.session.spec.to_meta().items() if k in ROW_SETTINGS}
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"runs": [dict(r) for r in self.runs], "settings": self._settings(), "val_runs": self._val_runs}
+        return {
+            "runs": [dict(r) for r in self.runs],
+            "settings": self._settings(),
+            "val_runs": self._val_runs,
+            **self.rate.state(),
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.runs = [dict(r) for r in state_dict.get("runs", [])]
         self._val_runs = int(state_dict.get("val_runs", 0))  # every_n_val_runs counts on across the resume
+        self.rate.load(state_dict)  # the segment's steps before the resume count on
         saved, now = state_dict.get("settings"), self._settings()
         if saved is not None and saved != now:
             changed = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v)
@@ -162,6 +173,16 @@ class GradientIndexer(L.Callback):
                 "that validation run; resume from an earlier checkpoint to repeat it, or checkpoint after validation runs (ModelCheckpoint's default)"
             )
 
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # After the backward, before optimizer.step and the scheduler's step that follows it: the
+        # rate this step trains at (what the HF callback and Trainer record). Read at the validation
+        # run instead, a step-interval scheduler has already set the next step's, 0 after the last
+        # step of a decay to 0: a fine-tuned model that a checkpoint sum weighs out.
+        first = trainer.optimizers[0] if trainer.optimizers else None
+        if first is None or (len(trainer.optimizers) > 1 and getattr(optimizer, "_optimizer", optimizer) is not first):
+            return  # another optimizer's step (manual optimization): the first's rate is the one recorded
+        self.rate.step(first.param_groups[0]["lr"])
+
     def _active(self, trainer: L.Trainer, dataloader_idx: int = 0) -> bool:
         return not trainer.sanity_checking and dataloader_idx == self.dataloader_idx
 
@@ -173,8 +194,8 @@ class GradientIndexer(L.Callback):
             return
         num_rows = _num_rows(trainer.val_dataloaders, self.dataloader_idx)
         todo = None
+        lr = self.rate.close(_learning_rate(trainer.optimizers))  # every rank: the next segment opens
         if trainer.is_global_zero:
-            lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
             todo = self.session.begin(num_rows, int(trainer.global_step), lr)
         self._todo = trainer.strategy.broadcast(todo, src=0)
         self.session.expect(self._todo)
@@ -230,6 +251,12 @@ class GradientIndexer(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._todo = None
         self.session.abort()  # rank 0's writer keeps the rows it has; other ranks hold none
+
+
+def _learning_rate(optimizers: List[Any]) -> Optional[float]:
+    """The first optimizer's first parameter group's learning rate now, or None without one (`trainer.validate`)."""
+    groups = getattr(optimizers[0], "param_groups", None) if optimizers else None
+    return float(groups[0]["lr"]) if groups else None
 
 
 def gathered(strategy: Any, computed: BatchRows) -> BatchRows:

@@ -28,7 +28,7 @@ from transformers import TrainerCallback
 
 from gradian_lightning.data import collate
 from gradian_lightning.errors import ConfigError, GradianError
-from gradian_lightning.index.checkpoints import checkpoint_entries
+from gradian_lightning.index.checkpoints import SegmentRate, checkpoint_entries
 from gradian_lightning.index.layout import read_meta
 from gradian_lightning.index.session import BatchRows, IndexSession
 from gradian_lightning.specs import IndexSpec, is_int, spec_from_arguments
@@ -133,9 +133,10 @@ class HFGradientIndexer(TrainerCallback):
     Args:
         path, overwrite, meta, rows_per_chunk, checkpoints, append: the `IndexSession`'s (index/session.py);
             `{step}` in `path` keeps one index per event, keyed by global step; with `checkpoints`
-            every event is one checkpoint of one index, with the learning rate of the optimizer step
-            that made its weights (the first parameter group's, as the Trainer logs it), so
-            `query.checkpoints=all` sums them weighted as TracIn-CP does.
+            every event is one checkpoint of one index, with the mean learning rate (the first
+            parameter group's, as the Trainer logs it) of the optimizer steps since the event
+            indexed before it (`SegmentRate`), so `query.checkpoints=all` sums them weighted as
+            TracIn-CP and LESS do.
         dataset: the rows to index, map-style with a length (usually the training set, in order).
         spec_values, spec_settings: the `IndexSpec`'s settings (specs.py, `grads.*`), positional
             in its field order after `dataset` or by name. Or `spec`: the `IndexSpec` itself.
@@ -184,7 +185,7 @@ class HFGradientIndexer(TrainerCallback):
         # Finished runs, oldest first: {"step", "path", "rows", "complete", "seconds"} (None but step and path off rank 0).
         self.runs: List[Dict[str, Any]] = []
         self._events, self._last_step, self._bound = 0, None, None
-        self._step_lr: Optional[float] = None  # the learning rate of the latest optimizer step
+        self.rate = SegmentRate()  # the learning rates of the optimizer steps since the last indexed event
 
     @property
     def summary(self) -> Optional[Dict[str, Any]]:
@@ -197,6 +198,9 @@ class HFGradientIndexer(TrainerCallback):
         # past that save, which the Trainer never repeats. The weights it resumes with are the
         # ones saved there: the index is finished now, from the rows already on disk.
         self._last_step = None  # a second train() counts its steps from 0 again
+        # A new run's steps (or, resumed, the steps from the resume on: the Trainer keeps no
+        # callback's running sums in its checkpoint) make the next checkpoint's segment.
+        self.rate = SegmentRate()
         if self.at != "save" or not state.global_step:
             return
         step = int(state.global_step)
@@ -224,7 +228,9 @@ class HFGradientIndexer(TrainerCallback):
         # After optimizer.step, before the scheduler's: the learning rate this step trained at (what
         # the Trainer logs as `learning_rate`). Read later, at the event, a decaying schedule would
         # give the next step's, 0 at the end of a linear decay: a last checkpoint that sums to nothing.
-        self._step_lr = _learning_rate(kwargs.get("optimizer"))
+        groups = getattr(kwargs.get("optimizer"), "param_groups", None)
+        if groups:
+            self.rate.step(groups[0]["lr"])
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.at == "evaluate":
@@ -243,8 +249,9 @@ class HFGradientIndexer(TrainerCallback):
         if self._events % self.every_n:
             return
         check_sharding(args)
-        # Before any step (an evaluation at step 0), the rate the first step will take; without an optimizer, None.
-        lr = self._step_lr if self._step_lr is not None else _learning_rate(kwargs.get("optimizer"))
+        # The segment's mean rate; before any step (an evaluation at step 0), the rate the first step
+        # will take; without an optimizer, None.
+        lr = self.rate.close(_learning_rate(kwargs.get("optimizer")))
         self.index(kwargs["model"], step, lr, args, state)
 
     # -- one indexing run --------------------------------------------------------------------------

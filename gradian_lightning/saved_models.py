@@ -7,12 +7,19 @@ An entry is either
     LightningModule attribute prefix (`model.`, `model.model.`, any name) is found by matching
     the keys against the model's own.
 
-Steps (the key of each checkpoint in the index) and learning rates:
-  - a `.ckpt` is keyed by its `global_step`, with the learning rate of its first optimizer's first
-    parameter group (`optimizer_states[0]["param_groups"][0]["lr"]`) at the time it was saved;
+Steps (the key of each checkpoint in the index) and learning rates, each as near as the file
+allows to what the callbacks record: the mean rate of the segment of training since the entry
+before it, up to its step (index/checkpoints.py `SegmentRate`):
+  - a `.ckpt` is keyed by its `global_step`. Its learning rate (its first optimizer's first
+    parameter group's, `optimizer_states[0]["param_groups"][0]["lr"]`) was saved after the
+    scheduler stepped: it is the rate of the step after it. Behind a `.ckpt` that holds one, the
+    segment's first step's rate is that file's: the segment's mean is interpolated linearly
+    between the two (`segment_rate`; exact for one step, a constant rate and a linear schedule).
+    Otherwise it is the rate of the step after it, the nearest known;
   - a Hugging Face Trainer checkpoint directory (`output_dir/checkpoint-<step>`, which holds
-    `trainer_state.json`) is keyed by that file's `global_step`, with the learning rate the Trainer
-    last logged at or before that step (`log_history`; none when it logged none);
+    `trainer_state.json`) is keyed by that file's `global_step`, with the mean of the learning rates
+    the Trainer logged (`log_history`, each the rate of its step) after the entry before it and up
+    to that step; where it logged none there, the last it logged before (none when it logged none);
   - any other Hugging Face directory (or hub name) has neither: it is keyed one step after the
     entry before it (0 when first), its position in a list of such directories, and has no
     learning rate.
@@ -61,14 +68,18 @@ def saved_models(entries: Sequence[str]) -> List[SavedModel]:
     One `ConfigError` line for a missing or unreadable file, or a list not ordered by step.
     """
     out: List[SavedModel] = []
+    saved_next: Optional[float] = None  # the rate a .ckpt just before holds: its next step's
     for entry in entries:
         entry = str(entry)
         keyed = None  # (global step, learning rate) where the entry records them
+        after = out[-1].step if out else None
         if is_lightning_checkpoint(entry):
             ckpt = read_lightning_checkpoint(entry)
-            keyed = ckpt["global_step"], _first_lr(ckpt)
+            step, own = ckpt["global_step"], _first_lr(ckpt)
+            steps = step - after if after is not None and step > after else 1
+            keyed, saved_next = (step, segment_rate(saved_next, own, steps)), own
         else:
-            keyed = read_trainer_state(entry)
+            keyed, saved_next = read_trainer_state(entry, after), None
         if keyed is None:
             step, lr = (out[-1].step + 1 if out else 0), None
         else:
@@ -85,11 +96,25 @@ def saved_models(entries: Sequence[str]) -> List[SavedModel]:
 TRAINER_STATE = "trainer_state.json"
 
 
-def read_trainer_state(entry: str) -> Optional[Tuple[int, Optional[float]]]:
+def segment_rate(first: Optional[float], after: Optional[float], steps: int) -> Optional[float]:
+    """The mean learning rate of a segment of `steps` optimizer steps P+1 .. S that ends at a `.ckpt`,
+    from the two rates `.ckpt` files hold: `after`, this file's, the rate of step S+1 (saved after
+    the scheduler stepped), and `first`, the `.ckpt` at P's, the rate of step P+1. Linear between
+    steps P+1 and S+1, averaged over P+1 .. S: `first` for one step, exact for a constant rate or a
+    linear schedule, between the two otherwise. Without `first`, `after`: the nearest known."""
+    if first is None or after is None:
+        return after
+    return first + (after - first) * (steps - 1) / (2 * steps)
+
+
+def read_trainer_state(entry: str, after: Optional[int] = None) -> Optional[Tuple[int, Optional[float]]]:
     """(global step, learning rate) of a Hugging Face Trainer checkpoint directory, from its
-    `trainer_state.json`: the learning rate is the last one the Trainer logged (`log_history`) at or
-    before that step, None when it logged none. None for an entry without that file (another
-    directory, a hub name). One `ConfigError` line for a file that is not a Trainer state."""
+    `trainer_state.json`. The learning rate is the mean of those the Trainer logged (`log_history`,
+    every `logging_steps`, each the rate of its step) after step `after` (the checkpoint before; None:
+    from the start) up to this step: the segment's mean rate, as `HFGradientIndexer` records it.
+    Where it logged none in that segment, the last it logged before it; None when it logged none.
+    None for an entry without that file (another directory, a hub name). One `ConfigError` line for
+    a file that is not a Trainer state."""
     path = os.path.join(os.path.expanduser(str(entry)), TRAINER_STATE)
     if not os.path.isfile(path):
         return None
@@ -113,6 +138,9 @@ def read_trainer_state(entry: str) -> Optional[Tuple[int, Optional[float]]]:
         and isinstance(h.get("step", 0), int)
         and h.get("step", 0) <= step
     ]
+    segment = [float(h["learning_rate"]) for h in logged if after is None or h.get("step", 0) > after]
+    if segment:
+        return step, sum(segment) / len(segment)
     return step, (float(logged[-1]["learning_rate"]) if logged else None)
 
 
@@ -171,8 +199,9 @@ def read_lightning_checkpoint(path: str) -> Dict[str, Any]:
 
 
 def _first_lr(ckpt: Dict[str, Any]) -> Optional[float]:
-    # The first optimizer's first parameter group, as GradientIndexer records during fit; none
-    # saved (ModelCheckpoint(save_weights_only=True)) means no learning rate.
+    # The first optimizer's first parameter group, the one GradientIndexer records, as saved: after
+    # the scheduler's step, so the next step's rate. None saved (ModelCheckpoint(save_weights_only=True)),
+    # no learning rate.
     try:
         lr = ckpt["optimizer_states"][0]["param_groups"][0]["lr"]
     except (KeyError, IndexError, TypeError):

@@ -3,6 +3,7 @@
 import importlib.util
 import re
 
+import numpy as np
 import pytest
 from smollm2 import ROOT
 
@@ -42,14 +43,15 @@ def test_hf_trainer_and_attribute_smoke(tmp_path, capsys):
     example = load_example("hf_trainer_and_attribute")
     assert example.main(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    # One checkpoint per save (2 epochs of 8 steps) in one index, each with the learning rate of its
-    # last step (linear decay from 1e-2), of the LoRA matrices only.
+    # One checkpoint per save (2 epochs of 8 steps) in one index, each with the mean learning rate of
+    # its epoch's steps (linear decay from 1e-2), of the LoRA matrices only.
     assert [int(s) for s in re.findall(r"indexed at step (\d+) \(lr \S+\): 120 rows", out)] == [8, 16]
     index = open_index(tmp_path / "index")
     names = [m.name for m in index.meta.blocks]
     assert index.meta.complete and [e["step"] for e in index.checkpoints] == [8, 16]
-    # Step s trained at 1e-2 · (1 - (s - 1) / 16): the rate each checkpoint's sum weight comes from.
-    assert [e["lr"] for e in index.checkpoints] == pytest.approx([1e-2 * (1 - 7 / 16), 1e-2 * (1 - 15 / 16)])
+    # Step s trained at 1e-2 · (1 - (s - 1) / 16); each checkpoint's sum weight is its steps' mean.
+    rate = [1e-2 * (1 - (s - 1) / 16) for s in range(1, 17)]
+    assert [e["lr"] for e in index.checkpoints] == pytest.approx([np.mean(rate[:8]), np.mean(rate[8:])])
     assert len(names) == 8 and all(re.search(r"\.(q|v)_proj\.lora_[AB]\.default$", n) for n in names)
     # The table: each query, then its top 3 training rows, scores summed over both checkpoints.
     tops = re.findall(r"^(q-\S+) .*\n +1 [+-]\d\.\d{4}  (\S+)", out, flags=re.M)

@@ -24,21 +24,15 @@ def dataset(tokenizer, rows):
 
 
 class Snapshots(TrainerCallback):
-    """At each evaluation and save: the weights, the optimizer's learning rate, and what training
-    must find untouched (`.grad`, train/eval mode, the global RNG), keyed by global step."""
+    """At each evaluation and save: the weights, and what training must find untouched (`.grad`,
+    train/eval mode, the global RNG), keyed by global step."""
 
     def __init__(self):
         self.seen = {}
 
     def _note(self, args, state, control, model=None, optimizer=None, **kwargs):
-        logged = [
-            log["learning_rate"]
-            for log in state.log_history
-            if log.get("step") == state.global_step and "learning_rate" in log
-        ]
         self.seen[state.global_step] = {
             "weights": copy.deepcopy(model.state_dict()),
-            "lr": logged[0] if logged else None,  # the Trainer's own record of the step's learning rate
             "grads": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
             "training": [m.training for m in model.modules()],
             "rng": torch.get_rng_state(),
@@ -79,6 +73,16 @@ def train(tmp_path, tokenizer, dataset, callbacks, dropout=0.0, resume=None, **a
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
+
+
+def logged_rates(trainer):
+    """The rate each step trained at, as the Trainer logged it (logging_steps=1): the independent record."""
+    return {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}
+
+
+def segment_means(rates, steps):
+    """The mean rate of the steps after the checkpoint before each of `steps` (from step 1 for the first), up to it."""
+    return [np.mean([rates[k] for k in range(after + 1, step + 1)]) for after, step in zip([0, *steps[:-1]], steps)]
 
 
 def session_rows(tmp_path, tokenizer, dataset, weights, batch_size, step=0, lr=None, autocast=None, **settings):
@@ -126,13 +130,18 @@ def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer,
     snapshots = Snapshots()
     saves = {"save_steps": 2, "save_strategy": "steps", "save_only_model": True}
     # The Trainer's activation checkpointing (a training-mode path of the decoder layers) changes no row.
-    train(tmp_path, tokenizer, dataset, [indexer, snapshots], gradient_checkpointing=gradient_checkpointing, **saves)
+    trainer = train(
+        tmp_path, tokenizer, dataset, [indexer, snapshots], gradient_checkpointing=gradient_checkpointing, **saves
+    )
     index = open_index(tmp_path / "ix")
     # Saves at steps 2 and 4; the evaluations at the same steps index nothing (at="save").
-    assert [(e["step"], e["lr"]) for e in index.checkpoints] == [(s, snapshots.seen[s]["lr"]) for s in (2, 4)]
-    # Linear decay to 0 after step 4: each checkpoint weighs by the rate its last step trained at,
-    # not the next step's (0 for the last, which would drop it from the sum).
-    assert [snapshots.seen[s]["lr"] for s in (2, 4)] == [0.0075, 0.0025]
+    # Linear decay to 0 after step 4 (steps at 0.01, 0.0075, 0.005, 0.0025): each checkpoint weighs
+    # by the mean rate of the steps since the one before, not the next step's (0 for the last, which
+    # would drop it from the sum), nor its last step's alone.
+    rates = logged_rates(trainer)
+    assert [rates[s] for s in (1, 2, 3, 4)] == [0.01, 0.0075, 0.005, 0.0025]
+    assert [e["step"] for e in index.checkpoints] == [2, 4]
+    assert [e["lr"] for e in index.checkpoints] == pytest.approx(segment_means(rates, [2, 4]), rel=1e-12)
     assert index.meta.complete and len(indexer.runs) == 2
     for step in (2, 4):
         reference = session_rows(tmp_path, tokenizer, dataset, snapshots.seen[step]["weights"], 4, step)
@@ -141,15 +150,26 @@ def test_each_save_is_one_checkpoint_with_its_learning_rate(tmp_path, tokenizer,
 
 def test_model_checkpoints_key_trainer_checkpoint_dirs_as_the_callback_does(tmp_path, tokenizer, dataset):
     """`model.checkpoints` listing the Trainer's own checkpoint-<step> directories keys each by the
-    global step in its trainer_state.json, with the learning rate the Trainer logged at that step:
-    what HFGradientIndexer(checkpoints=True) records at the same saves."""
+    global step in its trainer_state.json, with the mean of the learning rates the Trainer logged
+    since the entry before it: what HFGradientIndexer(checkpoints=True) records at the same saves."""
     indexer = HFGradientIndexer(tmp_path / "ix", dataset, at="save", batch_size=4, checkpoints=True, **SETTINGS)
-    train(tmp_path, tokenizer, dataset, [indexer], save_steps=2, save_strategy="steps", save_only_model=True)
+    every_other = HFGradientIndexer(
+        tmp_path / "ix2", dataset, at="save", batch_size=4, checkpoints=True, every_n=2, verbose=False, **SETTINGS
+    )
+    saves = {"save_steps": 2, "save_strategy": "steps", "save_only_model": True}
+    trainer = train(tmp_path, tokenizer, dataset, [indexer, every_other], **saves)
     folders = [str(tmp_path / "out" / f"checkpoint-{s}") for s in (2, 4)]
     listed = saved_models([str(tmp_path / "base"), *folders])
     recorded = [(e["step"], e["lr"]) for e in open_index(tmp_path / "ix").checkpoints]
-    assert recorded == [(2, 0.0075), (4, 0.0025)]
+    assert recorded == [
+        (s, pytest.approx(m, rel=1e-12)) for s, m in zip((2, 4), segment_means(logged_rates(trainer), [2, 4]))
+    ]
     assert [(s.step, s.lr) for s in listed] == [(0, None), *recorded]  # a plain directory first: step 0, no rate
+    # Listed alone, the last is its segment since the start: what every_n=2 records.
+    assert [(e["step"], e["lr"]) for e in open_index(tmp_path / "ix2").checkpoints] == [
+        (4, pytest.approx(np.mean([0.01, 0.0075, 0.005, 0.0025]), rel=1e-12))
+    ]
+    assert saved_models(folders[1:])[0].lr == pytest.approx(np.mean([0.01, 0.0075, 0.005, 0.0025]), rel=1e-12)
     with pytest.raises(ConfigError, match="oldest first") as e:
         saved_models(folders[::-1])
     assert "model.checkpoints" in str(e.value) and "\n" not in str(e.value)
@@ -215,7 +235,11 @@ def test_a_save_killed_while_indexing_is_finished_when_training_resumes_past_it(
     assert resumed.state.global_step == 4 and [r["step"] for r in indexer.runs] == [2, 4]
     assert indexer.session.summaries[0]["computed_rows"] == 4  # the first batch's 3 rows were kept
     index = open_index(tmp_path / "ix")
-    assert [(e["step"], e["lr"], e["complete"]) for e in index.checkpoints] == [(2, 0.0075, True), (4, 0.0025, True)]
+    # Each checkpoint's segment: steps 1-2 before the kill, 3-4 after the resume.
+    assert [(e["step"], e["lr"], e["complete"]) for e in index.checkpoints] == [
+        (2, pytest.approx((0.01 + 0.0075) / 2, rel=1e-12), True),
+        (4, pytest.approx((0.005 + 0.0025) / 2, rel=1e-12), True),
+    ]
     reference = session_rows(tmp_path, tokenizer, dataset, snapshots.seen[2]["weights"], 3, 2)
     assert_same_rows(index.at(2), reference)
 

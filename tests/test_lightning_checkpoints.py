@@ -33,11 +33,14 @@ class Wrapped(L.LightningModule):
         super().__init__()
         self.net = lm
         self.value_head = torch.nn.Linear(4, 1)  # not the HF model's: outside the prefix, not compared
+        self.used = {}  # global step -> the learning rate that step trained at
 
     def validation_step(self, batch, batch_idx):
         return None
 
     def training_step(self, batch, batch_idx):
+        # The rate each optimizer step trains at, keyed by the global step it makes: the independent record.
+        self.used[self.trainer.global_step + 1] = float(self.optimizers().param_groups[0]["lr"])
         return self.net(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
         ).loss
@@ -93,6 +96,7 @@ def fitted(tmp_path, tokenizer, rows):
         "tuned": tuned,
         "ckpt": {s: tmp_path / "ckpt" / f"step={s}.ckpt" for s in (1, 2)},
         "lr": at_save.lr,
+        "used": module.used,
         "weights": at_save.weights,
     }
 
@@ -133,10 +137,13 @@ def test_ckpt_checkpoints_are_keyed_by_global_step_with_their_learning_rate(tmp_
     ]
     assert main(["index", *common, f"data.train={data}"]) == 0
     index = open_index(tmp_path / "ix")
-    lr = fitted["lr"]
-    assert lr[1] != lr[2]  # the schedule moved: the weights below are not equal by accident
+    used = fitted["used"]
+    assert sorted(used) == [1, 2] and fitted["lr"] == {1: used[2], 2: pytest.approx(used[2] * 0.3)}
     assert [e["step"] for e in index.checkpoints] == [0, 1, 2]
-    assert [e["lr"] for e in index.checkpoints] == [None, pytest.approx(lr[1]), pytest.approx(lr[2])]
+    # A .ckpt holds the rate of the step after it: all there is for step=1.ckpt, behind a directory.
+    # Behind it, step=2.ckpt's segment is step 2 alone, whose rate step=1.ckpt holds.
+    assert [e["lr"] for e in index.checkpoints] == [None, pytest.approx(used[2]), pytest.approx(used[2])]
+    lr = {e["step"]: e["lr"] for e in index.checkpoints}
 
     # the .ckpt's rows are those of the same weights saved with save_pretrained
     plain = [
@@ -253,10 +260,13 @@ def test_an_index_built_during_fit_is_queried_with_the_fits_ckpt_files(tmp_path,
     steps = [e["step"] for e in index.checkpoints]
     assert steps == sorted(at_save.weights) == [2, 4]
     ckpts = [tmp_path / "ckpt" / f"step={s}.ckpt" for s in steps]
-    # the learning rate a .ckpt carries is the one GradientIndexer recorded at that step
-    assert [(s.step, s.lr) for s in saved_models([str(c) for c in ckpts])] == [
-        (e["step"], pytest.approx(e["lr"])) for e in index.checkpoints
+    # GradientIndexer records each segment's mean rate (steps 1-2, 3-4); the .ckpt files are keyed by the same steps
+    used = trainer.lightning_module.used
+    assert [e["lr"] for e in index.checkpoints] == [
+        pytest.approx((used[1] + used[2]) / 2),
+        pytest.approx((used[3] + used[4]) / 2),
     ]
+    assert [s.step for s in saved_models([str(c) for c in ckpts])] == steps
     queries = write_jsonl(tmp_path / "queries.jsonl", rows[:2])
     out = tmp_path / "all.jsonl"
     overrides = [
