@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -110,6 +111,19 @@ class StoredIds:
                 at += 1
 
 
+@dataclass
+class _Buffered:
+    """Rows of one `IndexWriter.write` call that fall in one chunk, kept until the chunk is flushed:
+    dataset positions [b], stored rows [b, D] and int8 scales [b, M] (or None), ids, and the loss,
+    supervised, truncated and finite columns [b]."""
+
+    positions: np.ndarray
+    stored: Any
+    scales: Any
+    ids: List[str]
+    columns: Tuple[np.ndarray, ...]
+
+
 class IndexWriter:
     """Writes rows at their dataset positions, a whole chunk at a time, and resumes killed runs.
 
@@ -173,7 +187,12 @@ class IndexWriter:
         self.blocks = [ModuleBlock.from_entry(b) for b in self.attrs["modules"]]
         self.done = np.asarray(self.group["complete"][:], dtype=bool)
         self.kept_rows = int(self.done[self.offset :].sum())  # rows an earlier, interrupted run already wrote
-        self._pending: Dict[int, Dict[int, Tuple[np.ndarray, Tuple[Any, ...]]]] = {}
+        # Rows written but not yet flushed, per chunk: one `_Buffered` a batch, as arrays. Per-row
+        # Python objects (a dict entry, tuples, a view of the row) cost about 1 KB a row, and a chunk
+        # of narrow rows holds 131,072 of them at ~4 MiB of int8 (k = 4): 10^6 rows then peaked at
+        # 1.5x the RSS of 10^4 (benchmarks/RESULTS.md §9). `_buffered` marks their positions.
+        self._pending: Dict[int, List[_Buffered]] = {}
+        self._buffered = np.zeros(len(self.done), dtype=bool)
         self.nonfinite_rows: List[int] = []
 
     @property
@@ -332,7 +351,7 @@ class IndexWriter:
 
         Rows with NaN/inf are stored as zeros with `finite=False` and listed in `nonfinite_rows`.
         """
-        indices = [int(i) + self.offset for i in indices]
+        positions = np.asarray([int(i) for i in indices], dtype=np.int64) + self.offset
         if self._old_ids is not None:
             try:
                 self._old_ids.refuse(ids)
@@ -342,22 +361,32 @@ class IndexWriter:
         finite = torch.isfinite(grads).all(dim=1) & torch.isfinite(loss)
         grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
         stored, scales = encode(grads, self.storage_dtype, self.blocks)
-        touched = set()
-        for j, i in enumerate(int(i) for i in indices):
-            if self.done[i]:
-                continue  # resumed row, or a duplicate that a distributed sampler padded in
-            if not bool(finite[j]):
-                self.nonfinite_rows.append(i)
-            c = i // self.chunk
-            self._pending.setdefault(c, {})[i] = (
-                (stored[j], None if scales is None else scales[j]),
-                (ids[j], float(loss[j]), int(supervised[j]), int(truncated[j]), bool(finite[j])),
+        # Skipped: rows already written (a resumed run) or buffered, and a row's second copy in this
+        # batch (a distributed sampler pads ranks with repeated rows).
+        first = np.zeros(len(positions), dtype=bool)
+        first[np.unique(positions, return_index=True)[1]] = True
+        take = np.flatnonzero(first & ~self.done[positions] & ~self._buffered[positions])
+        finite_np = finite.cpu().numpy()
+        self.nonfinite_rows += [int(i) for i in positions[take][~finite_np[take]]]
+        self._buffered[positions[take]] = True
+        columns = (*(torch.as_tensor(c).detach().cpu().numpy() for c in (loss, supervised, truncated)), finite_np)
+        chunk_of = positions[take] // self.chunk
+        touched = [int(c) for c in np.unique(chunk_of)]
+        for c in touched:
+            sel = take[chunk_of == c]
+            self._pending.setdefault(c, []).append(
+                _Buffered(
+                    positions[sel],
+                    stored[sel],
+                    None if scales is None else scales[sel],
+                    [ids[j] for j in sel],
+                    tuple(np.array(column[sel]) for column in columns),
+                )
             )
-            touched.add(c)
         with self._disk_full_is_one_line():
             for c in touched:
                 lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.num_rows)
-                if int(self.done[lo:hi].sum()) + len(self._pending[c]) == hi - lo:
+                if int(self.done[lo:hi].sum()) + int(self._buffered[lo:hi].sum()) == hi - lo:
                     self._flush(c)
 
     def _undo_append(self) -> None:
@@ -378,6 +407,7 @@ class IndexWriter:
             group[STATISTICS_GROUP].attrs[WHITENED_DAMPING] = whitened
         group.attrs[ATTRIBUTE] = old
         self._pending.clear()
+        self._buffered = np.zeros(self.offset, dtype=bool)
         self.done, self.num_rows, self.attrs, self._undone = self.done[: self.offset], self.offset, old, True
 
     @contextlib.contextmanager
@@ -398,26 +428,33 @@ class IndexWriter:
             self._lock = None
 
     def _flush(self, c: int) -> None:
-        rows = self._pending.pop(c)
-        order = np.array(sorted(rows), dtype=np.int64)
+        parts = self._pending.pop(c)
+        positions = np.concatenate([part.positions for part in parts])
+        sort = np.argsort(positions, kind="stable")
+        order = positions[sort]
         lo, hi = int(order[0]), int(order[-1]) + 1
         contiguous = hi - lo == len(order)
         where = slice(lo, hi) if contiguous else order
         # The data goes first and the completion flags last, so a killed run never leaves a row
         # marked complete whose data is not on disk.
-        block = np.stack([rows[i][0][0] for i in order])
-        scales = np.stack([rows[i][0][1] for i in order]) if self.storage_dtype == "int8" else None
+        block = np.concatenate([np.asarray(part.stored) for part in parts])[sort]
+        scales = (
+            np.concatenate([np.asarray(part.scales) for part in parts])[sort] if self.storage_dtype == "int8" else None
+        )
         # What a reader will see: the norms (and, read back at close, the statistics) are of these values.
         decoded = decode(block, self.storage_dtype, scales=scales, blocks=self.blocks)
         self._set("grads", where, block)
         if scales is not None:  # before `complete`, like the row itself
             self._set(SCALES, where, scales)
         self._set(NORMS, where, module_norms(decoded, self.blocks).numpy())
-        columns = list(zip(*(rows[i][1] for i in order)))
-        for name, values in zip(("id", "loss", "supervised_tokens", "truncated_tokens", "finite"), columns):
-            self._set(name, where, np.asarray(values, dtype=ROW_ARRAYS[name][0]))
+        ids = [i for part in parts for i in part.ids]
+        self._set("id", where, np.asarray([ids[j] for j in sort], dtype=ROW_ARRAYS["id"][0]))
+        for n, name in enumerate(("loss", "supervised_tokens", "truncated_tokens", "finite")):
+            values = np.concatenate([part.columns[n] for part in parts])[sort]
+            self._set(name, where, values.astype(ROW_ARRAYS[name][0]))
         self._set("complete", where, np.ones(len(order), dtype=bool))
         self.done[order] = True
+        self._buffered[order] = False
 
     def _decoded(self, lo: int, hi: int, a: int, b: int) -> torch.Tensor:
         """float32 rows lo..hi-1 of module blocks a..b-1 as written, read back from disk."""
