@@ -258,3 +258,54 @@ def test_an_index_without_rankable_rows_ranks_nothing(tmp_path):
     spec = QuerySpec(search="ann", precondition="none", bottom_k=2)
     top, bottom = ann.ann_topk(checkpoint_scorers(open_index(tmp_path / "ix").reader, queries(), spec, shortcut=False))
     assert top.indices.shape == (8, 0) and bottom.scores.shape == (8, 0)
+
+
+def rewrite_raw(group, name):
+    """Array `name` of `group` written again with no compressor (the raw `bytes` codec alone)."""
+    old = group[name]
+    values, chunks = old[:], old.chunks
+    del group[name]
+    group.create_array(name, shape=values.shape, chunks=chunks, dtype=values.dtype, compressors=None)[:] = values
+
+
+@pytest.mark.parametrize("storage", ["int8", "float16", "int8 raw scales", "int8 raw scales memory://"])
+def test_rows_read_by_the_row_are_the_chunk_reads_bit_for_bit(tmp_path, storage):
+    # 203 rows of 16 a chunk: the last stored chunk holds 11 rows, and the writer leaves chunk 3
+    # unwritten (rows 48..63 never written read as the fill value, as zarr reads them). A local
+    # folder is read by pread, a memory:// URL through zarr's ranged reads of its store.
+    rows, width = 203, 96
+    blocks = [{"name": f"m{i}", "offset": i * 32, "size": 32} for i in range(3)]
+    dtype = storage.split()[0]
+    path = f"memory://rows-{tmp_path.name}" if storage.endswith("memory://") else str(tmp_path / "ix")
+    writer = IndexWriter(path, rows, width, dtype, {"fingerprint": "rows", "modules": blocks}, rows_per_chunk=16)
+    values = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, width)
+    for lo in [a for a in range(0, rows, 16) if a != 48]:
+        hi = min(lo + 16, rows)
+        n = hi - lo
+        writer.write(range(lo, hi), values[lo:hi], torch.zeros(n), torch.ones(n), torch.zeros(n), list(range(lo, hi)))
+    writer.close()  # False: chunk 3 is missing
+    if "raw scales" in storage:
+        rewrite_raw(Location(path).open_group("r+"), "scales")
+    reader = open_index(path).reader
+    assert reader_layouts(reader) == ((True, None) if dtype == "float16" else (True, "raw" in storage))
+    order = np.random.default_rng(0).permutation(rows)
+    for positions in (
+        np.arange(rows),  # every row: runs of whole chunks and the short last one
+        np.array([202, 0, 17, 17, 201, 50, 5, 16, 15, 202]),  # unsorted, repeated, the last rows, an unwritten chunk
+        order[:40],
+        np.array([], dtype=np.int64),
+    ):
+        expected = reader.rows(positions)
+        got = reader.rows_at(positions)
+        assert got.dtype == torch.float32 and got.shape == (len(positions), width)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bit for bit
+    with pytest.raises(IndexError, match="0..202"):
+        reader.rows_at([rows])
+
+
+def reader_layouts(reader):
+    """(grads read by the row, scales read by the row or None without scales)."""
+    from gradian_lightning.index.reader import raw_row_dtype
+
+    scales = None if reader._scales_array is None else raw_row_dtype(reader._scales_array) is not None
+    return raw_row_dtype(reader.grads) is not None, scales
