@@ -162,6 +162,37 @@ def test_an_index_that_changed_is_rebuilt(tmp_path, index_path):
     assert ann.open_ann(scorer).manifest["identity"] == manifest["identity"]
 
 
+@needs_faiss
+def test_shards_are_memory_mapped_opened_once_and_never_stale(tmp_path, index_path, monkeypatch):
+    import shutil
+
+    import faiss
+    import fsspec
+
+    path = tmp_path / "ix"
+    shutil.copytree(index_path, path, ignore=shutil.ignore_patterns("ann"))
+    spec = QuerySpec(search="ann", precondition="none", ann_shard_rows=1000)
+    scorer = checkpoint_scorers(open_index(path).reader, queries(), spec, shortcut=False)[0]
+    flags, real = [], faiss.read_index
+    monkeypatch.setattr(faiss, "read_index", lambda where, flag=0: flags.append(flag) or real(where, flag))
+    first = ann.open_ann(scorer)
+    assert flags == [faiss.IO_FLAG_MMAP] * 3  # a local folder: each of the 3 shards mapped, not read
+    again = checkpoint_scorers(open_index(path).reader, queries(), spec, shortcut=False)[0]
+    assert ann.open_ann(again) is first and len(flags) == 3  # the next batch: opened once per process
+    # The same shards read whole, as from an fsspec URL, find the same candidates.
+    memory = fsspec.filesystem("memory")
+    for shard in (tmp_path / ann.folder(scorer)).glob("shard-*.faiss"):
+        memory.pipe_file(f"/ann-{tmp_path.name}/{shard.name}", shard.read_bytes())
+    read = ann.AnnIndex(memory, f"/ann-{tmp_path.name}", first.manifest, first.sketch)
+    np.testing.assert_array_equal(read.candidates(scorer.queries, 20, 4), first.candidates(scorer.queries, 20, 4))
+    # Another state of the index (here: fewer rows written) is another manifest: rebuilt, opened afresh.
+    now = ann.identity
+    monkeypatch.setattr(ann, "identity", lambda s: {**now(s), "written": 5})
+    changed = ann.open_ann(again)
+    assert changed is not first and changed.manifest["identity"]["written"] == 5
+    assert flags.count(faiss.IO_FLAG_MMAP) == 6
+
+
 def test_without_the_extra_the_refusal_is_one_line(index_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "faiss", None)  # what an environment without faiss-cpu imports
     refusal = (

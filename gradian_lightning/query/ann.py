@@ -28,6 +28,7 @@ describes another state of the index, is never searched: the next query builds (
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -201,6 +202,10 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
     fs.makedirs(where, exist_ok=True)
     if fs.exists(marker_path):
         fs.rm(marker_path)  # a stale marker never stands beside a new shard
+    if fs.exists(data):
+        # Removed, not overwritten: a process that has the old file memory-mapped (`AnnIndex`) keeps
+        # reading it whole; truncating it in place would crash that process (SIGBUS).
+        fs.rm(data)
     fs.pipe_file(data, payload)
     marker = {"identity": ident, "lo": lo, "hi": hi, "rows": int(found.ntotal), "bytes": len(payload)}
     fs.pipe_file(marker_path, json.dumps(marker).encode())  # after the shard: it is finished
@@ -227,20 +232,24 @@ def build_ann(scorer: Scorer) -> Dict[str, Any]:
 
 
 class AnnIndex:
-    """The finished ANN index of one prepared scorer (one checkpoint), searched shard by shard.
+    """The finished ANN index of one scorer's checkpoint and scoring, searched shard by shard.
 
-    `open_ann(scorer)` opens it, building it first when it is missing, half-written or stale.
+    `open_ann(scorer)` opens it, building it first when it is missing, half-written or stale, and
+    keeps it open for the next call (`OPENED`). A shard in a local folder is memory-mapped
+    (`faiss.IO_FLAG_MMAP`: opening reads its coarse quantizer, 8 MiB at 4,000 lists of 512
+    columns, and a search pages in only the probed lists); one behind an fsspec URL is read whole.
     """
 
-    def __init__(self, scorer: Scorer, manifest: Dict[str, Any]) -> None:
+    def __init__(self, fs: Any, where: str, manifest: Dict[str, Any], sketch: "Sketch") -> None:
         faiss = require_faiss()
-        self.scorer, self.manifest = scorer, manifest
-        self.sketch = Sketch(scorer.index.meta.width, scorer.spec.ann_sketch_dim)
-        fs, where = _filesystem(scorer.index)[0], folder(scorer)
-        self.shards = [
-            faiss.deserialize_index(np.frombuffer(fs.cat_file(f"{where}/shard-{n:05d}.faiss"), dtype=np.uint8))
-            for n in range(len(manifest["shards"]))
-        ]
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.manifest, self.sketch = manifest, sketch
+        paths = [f"{where}/shard-{n:05d}.faiss" for n in range(len(manifest["shards"]))]
+        if isinstance(fs, LocalFileSystem):
+            self.shards = [faiss.read_index(path, faiss.IO_FLAG_MMAP) for path in paths]
+        else:
+            self.shards = [faiss.deserialize_index(np.frombuffer(fs.cat_file(path), dtype=np.uint8)) for path in paths]
 
     def candidates(self, queries: torch.Tensor, count: int, nprobe: int) -> np.ndarray:
         """int64 [Q, shards × count]: each shard's `count` best dataset positions per query [Q, D]
@@ -256,25 +265,43 @@ class AnnIndex:
         return np.concatenate(found, axis=1) if found else np.full((len(x), 0), -1, dtype=np.int64)
 
 
+# ANN indexes opened in this process, newest last, keyed by where they are and their manifest (its
+# identity and every shard's size): a query server, or a Python user calling `ann_topk` batch after
+# batch, opens a shard once. Any change to the index's rows or the build changes the manifest, and a
+# changed manifest is opened afresh. A rebuilt shard is a new file (`build_shard` removes the old
+# one first), so a mapped one stays readable and whole. Few entries: one per checkpoint summed.
+OPENED: "OrderedDict[Tuple[str, str, str], AnnIndex]" = OrderedDict()
+OPENED_MAX = 4
+
+
 def open_ann(scorer: Scorer) -> AnnIndex:
     """The ANN index of `scorer` (made with `shortcut=False`), built (or finished) first when its
-    folder holds no ann.json for the index's present state."""
+    folder holds no ann.json for the index's present state; the one already open when it has not
+    changed since (`OPENED`)."""
     fs, where = _filesystem(scorer.index)[0], folder(scorer)
     manifest = _read_marker(fs, f"{where}/{MANIFEST}")
     if manifest is None or manifest["identity"] != identity(scorer):
         manifest = build_ann(scorer)
-    return AnnIndex(scorer, manifest)
+    key = (str(scorer.index.path), where, json.dumps(manifest, sort_keys=True))
+    if key in OPENED:
+        OPENED.move_to_end(key)
+        return OPENED[key]
+    opened = AnnIndex(fs, where, manifest, Sketch(scorer.index.meta.width, scorer.spec.ann_sketch_dim))
+    OPENED[key] = opened
+    while len(OPENED) > OPENED_MAX:
+        OPENED.popitem(last=False)
+    return opened
 
 
 def _exact_scores(scorers: Sequence[Scorer], positions: np.ndarray) -> torch.Tensor:
     # float32 [Q, U]: the scorers' weighted, summed scores of the rows at sorted `positions`, a few
-    # thousand rows at a time, read from the zarr rows: the exact scan's numbers for these rows.
+    # thousand rows at a time, each read by itself from the zarr rows (`rows_at`): the exact scan's numbers for these rows.
     parts = []
     for lo in range(0, len(positions), MERGE_COLUMNS):
         some = positions[lo : lo + MERGE_COLUMNS]
         total = None
         for scorer in scorers:
-            part = scorer.score(scorer.index.rows(some).to(scorer.device)).mul_(scorer.weight)
+            part = scorer.score(scorer.index.rows_at(some).to(scorer.device)).mul_(scorer.weight)
             total = part if total is None else total.add_(part)
         parts.append(total)
     return torch.cat(parts, dim=1)
