@@ -88,9 +88,21 @@ def test_recall_at_10_against_the_exact_scan(index_path, settings):
 
 
 @needs_faiss
-def test_rescored_scores_are_the_exact_scorers(index_path):
-    _, approximate = both(index_path, search="ann", ann_candidates=30)
-    every = open_index(index_path).score_all(queries())  # the exact scan's scores of every row, [Q, N]
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # auto: fisher, whole-row cosine
+        {"precondition": "fisher", "normalize": "module", "damping": 0.3},
+        {"precondition": "ekfac"},
+        {"precondition": "diag", "score": "inner"},
+        {"precondition": "none"},
+    ],
+)
+def test_rescored_scores_are_the_exact_scorers(index_path, settings):
+    # Candidates are scored with the preconditioner on the queries and the rows' norms from the
+    # ANN index: the numbers must be the exact scan's, whatever the preconditioner and normalisation.
+    _, approximate = both(index_path, search="ann", ann_candidates=30, **settings)
+    every = open_index(index_path).score_all(queries(), **settings)  # the exact scan's scores of every row, [Q, N]
     torch.testing.assert_close(approximate.scores, every.gather(1, approximate.indices), rtol=1e-5, atol=1e-6)
     # best first, by those scores
     assert (approximate.scores[:, :-1] >= approximate.scores[:, 1:]).all()
@@ -181,10 +193,12 @@ def test_shards_are_memory_mapped_opened_once_and_never_stale(tmp_path, index_pa
     assert ann.open_ann(again) is first and len(flags) == 3  # the next batch: opened once per process
     # The same shards read whole, as from an fsspec URL, find the same candidates.
     memory = fsspec.filesystem("memory")
-    for shard in (tmp_path / ann.folder(scorer)).glob("shard-*.faiss"):
+    for shard in (tmp_path / ann.folder(scorer)).glob("shard-*"):
         memory.pipe_file(f"/ann-{tmp_path.name}/{shard.name}", shard.read_bytes())
-    read = ann.AnnIndex(memory, f"/ann-{tmp_path.name}", first.manifest, first.sketch)
+    read = ann.AnnIndex(memory, f"/ann-{tmp_path.name}", first.manifest, first.sketch, MODULES)
     np.testing.assert_array_equal(read.candidates(scorer.queries, 20, 4), first.candidates(scorer.queries, 20, 4))
+    everywhere = np.array([0, 7, 999, 1000, 2500, 2999])  # in each of the 3 shards, row 7 unrankable
+    assert torch.equal(read.norms_at(everywhere), first.norms_at(everywhere))
     # Another state of the index (here: fewer rows written) is another manifest: rebuilt, opened afresh.
     now = ann.identity
     monkeypatch.setattr(ann, "identity", lambda s: {**now(s), "written": 5})
