@@ -13,7 +13,7 @@ from conftest import WORDS, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.config import load_config
-from gradian_lightning.errors import ConfigError, MissingExtraError
+from gradian_lightning.errors import ConfigError, IndexMismatchError, MissingExtraError
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query import ann
@@ -344,8 +344,10 @@ def test_rows_read_by_the_row_are_the_chunk_reads_bit_for_bit(tmp_path, storage)
         got = reader.rows_at(positions)
         assert got.dtype == torch.float32 and got.shape == (len(positions), width)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bit for bit
-    with pytest.raises(IndexError, match="0..202"):
-        reader.rows_at([rows])
+    with pytest.raises(
+        IndexMismatchError, match=r"row position 203 is not a row of the index at .*, which holds 203 rows \(0..202\)"
+    ):
+        reader.rows_at([5, rows])
 
 
 def reader_layouts(reader):

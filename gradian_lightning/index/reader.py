@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.errors import IndexFormatError
+from gradian_lightning.errors import IndexFormatError, IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_entries
 from gradian_lightning.index.layout import ATTRIBUTE, NORMS, SCALES, IndexMeta, decode, has_member, read_meta
 from gradian_lightning.index.location import Location
@@ -232,8 +232,11 @@ class IndexReader:
         An array stored otherwise (compressed: the scales of indexes written so far) is read a chunk
         at a time as `rows` reads it; that path gives the same numbers, only slower."""
         wanted = np.asarray(positions, dtype=np.int64)
-        if len(wanted) and (wanted.min() < 0 or wanted.max() >= len(self)):
-            raise IndexError(f"row positions must lie in 0..{len(self) - 1}")
+        outside = wanted[(wanted < 0) | (wanted >= len(self))]
+        if len(outside):  # the raw read would find no chunk file there and give fill values
+            raise IndexMismatchError(
+                f"row position {int(outside[0])} is not a row of the index at {str(self.path)!r}, which holds {len(self)} rows (0..{len(self) - 1}); pass dataset positions of this index"
+            )
         unique, back = np.unique(wanted, return_inverse=True)  # sorted: each chunk file read once, in order
 
         def read(array: zarr.Array) -> np.ndarray:
