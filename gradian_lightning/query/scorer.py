@@ -119,13 +119,13 @@ class Scorer:
             )
         queries = query_rows.detach().to(device=self.device, dtype=torch.float32)
         if self.preconditioner is not None:
-            queries = self.preconditioner(queries)
+            queries = self.preconditioner.queries(queries)
         if self.spec.score == "cosine" and self.spec.normalize == "module":
             queries = unit_modules(queries.clone(), self.blocks) / len(self.blocks)  # / M: scores are a mean of cosines
         elif self.spec.score == "cosine":
             queries = _unit(queries)
         if self.shortcut:
-            queries = self.preconditioner(queries)
+            queries = self.preconditioner.queries(queries)
         self.queries = queries
         return self
 
@@ -139,7 +139,7 @@ class Scorer:
         if self.preconditioner is None or self.shortcut:
             return self
         twin = copy.copy(self)
-        twin.index, twin.shortcut, twin.queries = None, True, self.preconditioner(self.queries)
+        twin.index, twin.shortcut, twin.queries = None, True, self.preconditioner.queries(self.queries)
         return twin
 
     def _norms(self, lo: Optional[int], hi: Optional[int]) -> Optional[torch.Tensor]:
