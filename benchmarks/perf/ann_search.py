@@ -21,9 +21,9 @@ Then, for the default scoring (`query.precondition=auto`, `query.normalize=auto`
             process's peak RSS rise during it, and the ANN folder's bytes beside the grads';
   - ann:    `ann_topk` (prepare the scorer, search the shards, read the candidates back from the
             zarr rows, score them exactly), the same queries, timed twice per repeat: as the first
-            call of a process (the opened shards and whitening factors this process keeps are
-            dropped first, so it opens the shards and makes the factors again; the page cache
-            stays warm) and as a later call (a query server's, or the next batch of a Python user);
+            call of a process (the opened shards and preconditioners this process keeps are
+            dropped first, so it opens the shards and reads the eigendecomposition again; the page
+            cache stays warm) and as a later call (a query server's, or a Python user's next batch);
   each timed `--repeats` times, interleaved, median;
 recall@10 is the share of the exact top 10 that the ANN path returns, over all queries.
 
@@ -333,8 +333,8 @@ def main() -> None:
         f"{args.threads} thread(s); medians of {args.repeats} interleaved runs, warm page cache; load average "
         f"{load_before[0]:.2f} before the build, {load_after[0]:.2f} at the end (1-minute). An ann call prepares the "
         f"scorer, searches the shards, reads the candidates back from the zarr rows and scores them; 'first call' "
-        f"also opens the shards and makes the whitening factors, as the first call of a process does, and the "
-        f"speed-ups divide the scan's time by each."
+        f"also opens the shards and reads the preconditioner's eigendecomposition, as the first call of a process "
+        f"does, and the speed-ups divide the scan's time by each."
     )
     write_result(
         f"ann_search.{label}",
