@@ -332,5 +332,7 @@ def test_queries_are_whitened_through_the_bases_as_rows_through_the_factors(tmp_
             assert build_preconditioner(index.reader, how, DEFAULT_DAMPING) is made and made._factors is None
         through_factors = made(queries)
     assert made._factors is not None
+    sent = build_preconditioner(index.reader, how, 0.3)  # as a Dask worker gets it: factors made, not remade
+    assert sent._factors is None and pickle.loads(pickle.dumps(sent))._factors is not None
     scale = float(through_factors.abs().max())
     torch.testing.assert_close(through_bases, through_factors, rtol=1e-5, atol=1e-6 * scale)

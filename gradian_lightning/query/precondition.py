@@ -126,6 +126,11 @@ class Fisher(Preconditioner):
     def __init__(self, bases: List[Tuple[torch.Tensor, torch.Tensor, float]], factors: Optional[torch.Tensor] = None):
         self.bases, self._factors = bases, factors
 
+    def __getstate__(self) -> Dict:
+        # Sent to Dask workers with the factors made: a worker whitens chunks' rows (for their norms)
+        # with every task it unpickles this in, and must not multiply them out for each.
+        return {"bases": self.bases, "_factors": self.factors}
+
     @property
     def factors(self) -> torch.Tensor:
         """float32 [M, s, s]: each module's (F_m + λI)^-½ (made on first use, then kept)."""
