@@ -13,7 +13,7 @@ from conftest import WORDS, tiny_settings, write_jsonl
 
 from gradian_lightning import open_index
 from gradian_lightning.config import load_config
-from gradian_lightning.errors import ConfigError, MissingExtraError
+from gradian_lightning.errors import ConfigError, IndexMismatchError, MissingExtraError
 from gradian_lightning.index.location import Location
 from gradian_lightning.index.writer import IndexWriter
 from gradian_lightning.query import ann
@@ -88,9 +88,21 @@ def test_recall_at_10_against_the_exact_scan(index_path, settings):
 
 
 @needs_faiss
-def test_rescored_scores_are_the_exact_scorers(index_path):
-    _, approximate = both(index_path, search="ann", ann_candidates=30)
-    every = open_index(index_path).score_all(queries())  # the exact scan's scores of every row, [Q, N]
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # auto: fisher, whole-row cosine
+        {"precondition": "fisher", "normalize": "module", "damping": 0.3},
+        {"precondition": "ekfac"},
+        {"precondition": "diag", "score": "inner"},
+        {"precondition": "none"},
+    ],
+)
+def test_rescored_scores_are_the_exact_scorers(index_path, settings):
+    # Candidates are scored with the preconditioner on the queries and the rows' norms from the
+    # ANN index: the numbers must be the exact scan's, whatever the preconditioner and normalisation.
+    _, approximate = both(index_path, search="ann", ann_candidates=30, **settings)
+    every = open_index(index_path).score_all(queries(), **settings)  # the exact scan's scores of every row, [Q, N]
     torch.testing.assert_close(approximate.scores, every.gather(1, approximate.indices), rtol=1e-5, atol=1e-6)
     # best first, by those scores
     assert (approximate.scores[:, :-1] >= approximate.scores[:, 1:]).all()
@@ -160,6 +172,39 @@ def test_an_index_that_changed_is_rebuilt(tmp_path, index_path):
     for marker in (tmp_path / ann.folder(scorer)).glob("shard-*.json"):
         marker.write_text(json.dumps({**json.loads(marker.read_text()), "identity": stale["identity"]}))
     assert ann.open_ann(scorer).manifest["identity"] == manifest["identity"]
+
+
+@needs_faiss
+def test_shards_are_memory_mapped_opened_once_and_never_stale(tmp_path, index_path, monkeypatch):
+    import shutil
+
+    import faiss
+    import fsspec
+
+    path = tmp_path / "ix"
+    shutil.copytree(index_path, path, ignore=shutil.ignore_patterns("ann"))
+    spec = QuerySpec(search="ann", precondition="none", ann_shard_rows=1000)
+    scorer = checkpoint_scorers(open_index(path).reader, queries(), spec, shortcut=False)[0]
+    flags, real = [], faiss.read_index
+    monkeypatch.setattr(faiss, "read_index", lambda where, flag=0: flags.append(flag) or real(where, flag))
+    first = ann.open_ann(scorer)
+    assert flags == [faiss.IO_FLAG_MMAP] * 3  # a local folder: each of the 3 shards mapped, not read
+    again = checkpoint_scorers(open_index(path).reader, queries(), spec, shortcut=False)[0]
+    assert ann.open_ann(again) is first and len(flags) == 3  # the next batch: opened once per process
+    # The same shards read whole, as from an fsspec URL, find the same candidates.
+    memory = fsspec.filesystem("memory")
+    for shard in (tmp_path / ann.folder(scorer)).glob("shard-*"):
+        memory.pipe_file(f"/ann-{tmp_path.name}/{shard.name}", shard.read_bytes())
+    read = ann.AnnIndex(memory, f"/ann-{tmp_path.name}", first.manifest, first.sketch, MODULES)
+    np.testing.assert_array_equal(read.candidates(scorer.queries, 20, 4), first.candidates(scorer.queries, 20, 4))
+    everywhere = np.array([0, 7, 999, 1000, 2500, 2999])  # in each of the 3 shards, row 7 unrankable
+    assert torch.equal(read.norms_at(everywhere), first.norms_at(everywhere))
+    # Another state of the index (here: fewer rows written) is another manifest: rebuilt, opened afresh.
+    now = ann.identity
+    monkeypatch.setattr(ann, "identity", lambda s: {**now(s), "written": 5})
+    changed = ann.open_ann(again)
+    assert changed is not first and changed.manifest["identity"]["written"] == 5
+    assert flags.count(faiss.IO_FLAG_MMAP) == 6
 
 
 def test_without_the_extra_the_refusal_is_one_line(index_path, monkeypatch):
@@ -258,3 +303,56 @@ def test_an_index_without_rankable_rows_ranks_nothing(tmp_path):
     spec = QuerySpec(search="ann", precondition="none", bottom_k=2)
     top, bottom = ann.ann_topk(checkpoint_scorers(open_index(tmp_path / "ix").reader, queries(), spec, shortcut=False))
     assert top.indices.shape == (8, 0) and bottom.scores.shape == (8, 0)
+
+
+def compress(group, name):
+    """Array `name` of `group` written again with zarr's default compressor (zstd)."""
+    old = group[name]
+    values, chunks = old[:], old.chunks
+    del group[name]
+    group.create_array(name, shape=values.shape, chunks=chunks, dtype=values.dtype)[:] = values
+
+
+@pytest.mark.parametrize("storage", ["int8", "float16", "int8 zstd scales", "int8 memory://"])
+def test_rows_read_by_the_row_are_the_chunk_reads_bit_for_bit(tmp_path, storage):
+    # 203 rows of 16 a chunk: the last stored chunk holds 11 rows, and the writer leaves chunk 3
+    # unwritten (rows 48..63 never written read as the fill value, as zarr reads them). A local
+    # folder is read by pread, a memory:// URL through zarr's ranged reads of its store.
+    rows, width = 203, 96
+    blocks = [{"name": f"m{i}", "offset": i * 32, "size": 32} for i in range(3)]
+    dtype = storage.split()[0]
+    path = f"memory://rows-{tmp_path.name}" if storage.endswith("memory://") else str(tmp_path / "ix")
+    writer = IndexWriter(path, rows, width, dtype, {"fingerprint": "rows", "modules": blocks}, rows_per_chunk=16)
+    values = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, width)
+    for lo in [a for a in range(0, rows, 16) if a != 48]:
+        hi = min(lo + 16, rows)
+        n = hi - lo
+        writer.write(range(lo, hi), values[lo:hi], torch.zeros(n), torch.ones(n), torch.zeros(n), list(range(lo, hi)))
+    writer.close()  # False: chunk 3 is missing
+    if "zstd scales" in storage:  # as indexes written before scales were stored raw hold them
+        compress(Location(path).open_group("r+"), "scales")
+    reader = open_index(path).reader
+    assert reader_layouts(reader) == ((True, None) if dtype == "float16" else (True, "zstd" not in storage))
+    order = np.random.default_rng(0).permutation(rows)
+    for positions in (
+        np.arange(rows),  # every row: runs of whole chunks and the short last one
+        np.array([202, 0, 17, 17, 201, 50, 5, 16, 15, 202]),  # unsorted, repeated, the last rows, an unwritten chunk
+        order[:40],
+        np.array([], dtype=np.int64),
+    ):
+        expected = reader.rows(positions)
+        got = reader.rows_at(positions)
+        assert got.dtype == torch.float32 and got.shape == (len(positions), width)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bit for bit
+    with pytest.raises(
+        IndexMismatchError, match=r"row position 203 is not a row of the index at .*, which holds 203 rows \(0..202\)"
+    ):
+        reader.rows_at([5, rows])
+
+
+def reader_layouts(reader):
+    """(grads read by the row, scales read by the row or None without scales)."""
+    from gradian_lightning.index.reader import raw_row_dtype
+
+    scales = None if reader._scales_array is None else raw_row_dtype(reader._scales_array) is not None
+    return raw_row_dtype(reader.grads) is not None, scales

@@ -22,7 +22,7 @@ SCRIPTS = {  # module -> a row its smoke table must hold
     "perf.loss_memory": "| 2 | 32 | 25% |",
     "perf.loss_chunking": "| 2 | 32 | 8 |",
     "perf.query_throughput": "| 8 |",
-    "perf.ann_search": "| clustered | 3,000 | ann |",
+    "perf.ann_search": "| clustered | 3,000 | 8 | ann |",
     "perf.report_cost": "| tiny | 12 | 2 |",
     "perf.index_size": "| all Linear |",
     "perf.dask_engine": "| dask (dask_topk) |",
@@ -101,7 +101,7 @@ def test_ann_search_measures_an_existing_index_with_real_query_rows(tmp_path, sa
     assert result["settings"] == [[8, 100], [1, 2]] and result["recall_at_10"][0] == 1.0
     assert result["recall_at_10"][1] < 1  # one list probed, 2 candidates: the settings reach the search
     text = render_result(result)
-    assert "| real | 40 | ann | 8 / 100 |" in text and "40 × 96 int8 rows of a real model's gradients" in text, text
+    assert "| real | 40 | 4 | ann | 8 / 100 |" in text and "40 × 96 int8 rows of a real model's gradients" in text, text
 
 
 def test_ann_facts_rows_are_distinct_held_out_and_in_the_vocabulary(tmp_path):

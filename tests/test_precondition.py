@@ -20,8 +20,8 @@ D = S * len(MODULES)
 META = {"fingerprint": "abc", "global_step": 0, "modules": MODULES}
 
 
-def make_index(path, rows, supervised=None):
-    writer = IndexWriter(path, len(rows), D, "float32", META)
+def make_index(path, rows, supervised=None, overwrite=False):
+    writer = IndexWriter(path, len(rows), D, "float32", META, overwrite=overwrite)
     supervised = torch.full((len(rows),), 2) if supervised is None else supervised
     writer.write(
         range(len(rows)),
@@ -282,3 +282,57 @@ def test_ekfac_is_fisher_on_a_kronecker_second_moment_and_keeps_the_rows_varianc
     variances = ((flat @ q) ** 2).mean(0)
     want = q @ np.diag((variances + 0.5 * variances.mean()) ** -0.5) @ q.T
     np.testing.assert_allclose(kronecker_whitening_factor(w, v, 0.5), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fisher_factors_are_made_once_per_index_state_and_never_stale(tmp_path, monkeypatch):
+    from gradian_lightning.query import precondition
+
+    made = []  # one entry a module whose whitening is made
+    real = precondition.whitening_basis
+    monkeypatch.setattr(precondition, "whitening_basis", lambda *a, **k: made.append(1) or real(*a, **k))
+    monkeypatch.setattr(precondition, "FACTORS", type(precondition.FACTORS)())
+    train, queries = random_rows(N, 4), random_rows(3, 5)
+    index = make_index(tmp_path / "ix", train)
+    first = all_scores(index, queries, score="inner", precondition="fisher", damping=0.5)
+    again = all_scores(open_index(tmp_path / "ix"), queries, score="inner", precondition="fisher", damping=0.5)
+    assert len(made) == 3 and np.array_equal(first, again)  # the next batch of queries reuses them
+    all_scores(index, queries, score="inner", precondition="fisher", damping=0.25)
+    assert len(made) == 6  # another damping: other factors
+    # The same path rewritten with other rows: new statistics, so new factors, equal to the dense
+    # computation for those rows (the first index's factors would not be).
+    other = random_rows(N, 6)
+    index = make_index(tmp_path / "ix", other, overwrite=True)
+    got = all_scores(index, queries, score="inner", precondition="fisher", damping=0.5)
+    assert len(made) == 9
+    t, q = other.double().numpy(), queries.double().numpy()
+    expected = 0
+    for b in MODULES:
+        tb, qb = t[:, b["offset"] : b["offset"] + S], q[:, b["offset"] : b["offset"] + S]
+        f = tb.T @ tb / N
+        expected = expected + qb @ np.linalg.solve(f + 0.5 * np.trace(f) / S * np.eye(S), tb.T)
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("how", ["fisher", "ekfac"])
+@pytest.mark.parametrize("rows", [N, 5])  # 5 < k² = 9: F rank-deficient, the c·I term carries the rest
+def test_queries_are_whitened_through_the_bases_as_rows_through_the_factors(tmp_path, monkeypatch, how, rows):
+    from gradian_lightning.query import precondition
+    from gradian_lightning.query.precondition import build_preconditioner
+
+    monkeypatch.setattr(precondition, "FACTORS", type(precondition.FACTORS)())  # none kept from other tests
+    index = make_index(tmp_path / "ix", random_rows(rows, 7))
+    queries = random_rows(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rank-deficient F warns: known here
+        made = build_preconditioner(index.reader, how, DEFAULT_DAMPING)
+        through_bases = made.queries(queries)
+        assert made._factors is None  # queries alone never multiply the factors out
+        if how == "fisher":  # the scan at the stored damping whitens only queries (the shortcut)
+            index.topk(queries, k=3, precondition=how, damping=DEFAULT_DAMPING)
+            assert build_preconditioner(index.reader, how, DEFAULT_DAMPING) is made and made._factors is None
+        through_factors = made(queries)
+    assert made._factors is not None
+    sent = build_preconditioner(index.reader, how, 0.3)  # as a Dask worker gets it: factors made, not remade
+    assert sent._factors is None and pickle.loads(pickle.dumps(sent))._factors is not None
+    scale = float(through_factors.abs().max())
+    torch.testing.assert_close(through_bases, through_factors, rtol=1e-5, atol=1e-6 * scale)

@@ -5,14 +5,16 @@ It knows nothing of scoring: `gradian_lightning.query` adds ranking on top of it
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import zarr
 
-from gradian_lightning.errors import IndexFormatError
+from gradian_lightning.errors import IndexFormatError, IndexMismatchError
 from gradian_lightning.index.checkpoints import checkpoint_entries
 from gradian_lightning.index.layout import ATTRIBUTE, NORMS, SCALES, IndexMeta, decode, has_member, read_meta
 from gradian_lightning.index.location import Location
@@ -26,6 +28,95 @@ from gradian_lightning.index.statistics import (
 
 # Bytes of per-row arrays (flags, norms) one read fetches while streaming: see `IndexReader._span`.
 METADATA_READ_BYTES = 4 * 2**20
+
+
+def raw_row_dtype(array: zarr.Array) -> Optional[np.dtype]:
+    """The dtype (byte order included) a stored row of `array` [N, W] has in its chunk's bytes, when
+    a row's bytes can be read alone: a zarr v3 array whose codecs are exactly the `bytes` codec
+    (no compressor, no transpose, no sharding) and whose chunks span every column, so that row r
+    of a chunk of c rows is bytes r·W·itemsize..(r+1)·W·itemsize of its file (an edge chunk is
+    stored at full size). None otherwise: such arrays are read a stored chunk at a time."""
+    from zarr.codecs import BytesCodec
+
+    meta = array.metadata
+    if meta.zarr_format != 3 or array.ndim != 2 or array.chunks[1] != array.shape[1]:
+        return None
+    if len(meta.codecs) != 1 or not isinstance(meta.codecs[0], BytesCodec):
+        return None
+    endian = meta.codecs[0].endian
+    order = sys.byteorder if endian is None else endian.value  # None: one-byte values, no order
+    return array.dtype.newbyteorder("<" if order == "little" else ">")
+
+
+def _runs(positions: np.ndarray, chunk: int) -> List[Tuple[int, int]]:
+    # [(first, count)]: sorted unique `positions` cut into runs of consecutive rows of one stored
+    # chunk, each one contiguous byte range of that chunk's file.
+    if len(positions) == 0:
+        return []
+    starts = np.flatnonzero((np.diff(positions) != 1) | (np.diff(positions // chunk) != 0)) + 1
+    bounds = np.concatenate([[0], starts, [len(positions)]])
+    return [(int(positions[a]), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def read_raw_rows(array: zarr.Array, positions: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Rows [n, W] of `array` (in `array.dtype`) at sorted unique `positions`, each read as its own
+    byte range of its chunk's file (`raw_row_dtype`'s layout): a candidate costs its W values, not
+    its stored chunk. A chunk never written reads as the fill value, as zarr reads it.
+
+    A local store is read with one `pread` per run of rows (zarr's own ranged reads take a thread
+    hop each: 1.1 s for 6,400 rows, against 0.17 s); any other store through its
+    `get_partial_values`, which fetches the ranges concurrently."""
+    chunk, width = array.chunks[0], array.shape[1]
+    row_bytes = width * dtype.itemsize
+    out = np.empty((len(positions), width), dtype=dtype)
+    runs = _runs(positions, chunk)
+    keys = {n: f"{array.path}/{array.metadata.encode_chunk_key((n, 0))}" for n in {first // chunk for first, _ in runs}}
+    store = array.store_path.store
+    from zarr.storage import LocalStore
+
+    at = 0
+    if isinstance(store, LocalStore):
+        # One open per chunk file, one pread per run in it (runs come in position order, so a
+        # chunk's runs are consecutive): 6,400 candidates read in 0.25 s, not 0.47 s.
+        root, fd, opened = str(store.root), None, None
+        try:
+            for first, count in runs:
+                target, number = out[at : at + count], first // chunk
+                at += count
+                if number != opened:
+                    if fd is not None:
+                        os.close(fd)
+                    fd, opened = None, number
+                    try:
+                        fd = os.open(f"{root}/{keys[number]}", os.O_RDONLY)
+                    except FileNotFoundError:
+                        pass
+                if fd is None:
+                    target[...] = array.fill_value
+                elif os.preadv(fd, [memoryview(target).cast("B")], (first % chunk) * row_bytes) != count * row_bytes:
+                    raise IndexFormatError(
+                        f"{root}/{keys[number]!s} is shorter than a stored chunk of {chunk} rows; the index is damaged: rebuild it with `gradian index`"
+                    )
+        finally:
+            if fd is not None:
+                os.close(fd)
+    else:
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        ranges = [
+            (keys[first // chunk], RangeByteRequest((first % chunk) * row_bytes, (first % chunk + count) * row_bytes))
+            for first, count in runs
+        ]
+        for (_, count), got in zip(runs, sync(store.get_partial_values(default_buffer_prototype(), ranges))):
+            target = out[at : at + count]
+            if got is None:
+                target[...] = array.fill_value
+            else:
+                target[...] = np.frombuffer(got.to_bytes(), dtype=dtype).reshape(count, width)
+            at += count
+    return out.astype(array.dtype, copy=False)
 
 
 class IndexReader:
@@ -140,6 +231,30 @@ class IndexReader:
             stored = self.grads.oindex[indices, :]
             scales = None if self._scales_array is None else self._scales_array.oindex[indices, :]
         return decode(stored, self.storage_dtype, scales=scales, blocks=self.module_blocks)
+
+    def rows_at(self, positions: Sequence[int]) -> torch.Tensor:
+        """float32 rows [len(positions), D] at dataset `positions` (any order, repeats allowed):
+        `rows(positions)` bit for bit, reading only the rows' own bytes where the grads (and scales)
+        are stored raw (`raw_row_dtype`), so that a few thousand scattered rows (ANN candidates)
+        cost their own bytes, not a stored chunk each (64 rows, 384 KiB, at 10⁶ rows of 6,144 bytes).
+        An array stored otherwise (compressed: the scales of indexes written so far) is read a chunk
+        at a time as `rows` reads it; that path gives the same numbers, only slower."""
+        wanted = np.asarray(positions, dtype=np.int64)
+        outside = wanted[(wanted < 0) | (wanted >= len(self))]
+        if len(outside):  # the raw read would find no chunk file there and give fill values
+            raise IndexMismatchError(
+                f"row position {int(outside[0])} is not a row of the index at {str(self.path)!r}, which holds {len(self)} rows (0..{len(self) - 1}); pass dataset positions of this index"
+            )
+        unique, back = np.unique(wanted, return_inverse=True)  # sorted: each chunk file read once, in order
+
+        def read(array: zarr.Array) -> np.ndarray:
+            dtype = raw_row_dtype(array)
+            return array.oindex[unique, :] if dtype is None else read_raw_rows(array, unique, dtype)
+
+        stored = read(self.grads)
+        scales = None if self._scales_array is None else read(self._scales_array)
+        rows = decode(stored, self.storage_dtype, scales=scales, blocks=self.module_blocks)
+        return rows if len(unique) == len(wanted) and (unique == wanted).all() else rows[torch.from_numpy(back)]
 
     def chunks(self) -> Iterator[Tuple[int, torch.Tensor]]:
         """(first row, float32 rows [c, D]) for each stored chunk, in order: streaming reads."""

@@ -102,21 +102,52 @@ def whitening_scales(eigvals: np.ndarray, damping: float) -> Optional[np.ndarray
     return None if level <= 0 else 1.0 / np.sqrt(eigvals + damping * level)
 
 
-def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
-    """(F + λI)^-½ [s, s] float32 of one module from F's eigendecomposition: eigvals w [s] >= 0 and
-    the vectors V [s, r] of the first r of them (`stored_rank`; w[r:] = 0 when r < s). With all s,
-    V diag((w + λ)^-½) Vᵀ; with r < s, plus λ^-½ (I − V Vᵀ) on the directions no row visited.
-    `whitening_scales`; the identity for an all-zero module."""
+def whitening_basis(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> Tuple[np.ndarray, np.ndarray, float]:
+    """(B [s, r] float64, d [r] float64, c): (F + λI)^-½ of one module = B diag(d) Bᵀ + c·I, from
+    F's eigendecomposition: eigvals w [s] >= 0 and the vectors V [s, r] of the first r of them
+    (`stored_rank`; w[r:] = 0 when r < s). With all s, V diag((w + λ)^-½) Vᵀ; with r < s, plus
+    λ^-½ (I − V Vᵀ) on the directions no row visited. `whitening_scales`; the identity for an
+    all-zero module. Applied to a few rows as it stands (2·s·r multiply-adds a row, no s³ product)."""
     scales = whitening_scales(eigvals, damping)
     size, rank = eigvecs.shape
     if scales is None:
-        return np.eye(size, dtype=np.float32)
+        return np.zeros((size, 0)), np.zeros(0), 1.0
     if rank == size:
-        return ((eigvecs * scales) @ eigvecs.T).astype(np.float32)
-    rest = scales[rank]  # λ^-½: w is 0 from r on
-    factor = (eigvecs * (scales[:rank] - rest)) @ eigvecs.T
-    factor[np.diag_indices(size)] += rest
+        return np.asarray(eigvecs, dtype=np.float64), scales, 0.0
+    rest = float(scales[rank])  # λ^-½: w is 0 from r on
+    return np.asarray(eigvecs, dtype=np.float64), scales[:rank] - rest, rest
+
+
+def basis_factor(basis: np.ndarray, weights: np.ndarray, rest: float) -> np.ndarray:
+    """B diag(d) Bᵀ + c·I [s, s] float32 of a `whitening_basis` (B [s, r], d [r], c)."""
+    factor = (basis * weights) @ basis.T
+    if rest:
+        factor[np.diag_indices(len(factor))] += rest
     return factor.astype(np.float32)
+
+
+def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
+    """(F + λI)^-½ [s, s] float32 of one module (`whitening_basis`, multiplied out)."""
+    return basis_factor(*whitening_basis(eigvals, eigvecs, damping))
+
+
+def kronecker_whitening_basis(
+    eigvals: np.ndarray, eigvecs: np.ndarray, damping: float
+) -> Tuple[np.ndarray, np.ndarray, float]:
+    """(F̃ + λI)^-½ as `whitening_basis` gives (F + λI)^-½: (B, d, c), here (Q, (q F q + λ)^-½, 0)
+    of `kronecker_whitening_factor`."""
+    size, rank = eigvecs.shape
+    k = int(round(size**0.5))
+    level = eigvals.mean()
+    if level <= 0 or k * k != size:
+        return np.zeros((size, 0)), np.zeros(0), 1.0
+    w = eigvals[:rank]
+    vectors = eigvecs.reshape(k, k, rank)  # V[(o, i), j]
+    _, q_out = np.linalg.eigh(np.einsum("aij,bij,j->ab", vectors, vectors, w))
+    _, q_in = np.linalg.eigh(np.einsum("oaj,obj,j->ab", vectors, vectors, w))
+    q = np.kron(q_out, q_in)
+    corrected = ((eigvecs.T @ q) ** 2 * w[:, None]).sum(0)  # qᵀ F q for every column q of Q
+    return q, 1.0 / np.sqrt(corrected + damping * level), 0.0
 
 
 def kronecker_whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
@@ -128,18 +159,7 @@ def kronecker_whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping
     well; λ = `damping` × their mean, which is F's mean eigenvalue. eigvals [s], eigvecs [s, r] as
     `whitening_factor` takes them: both the partial traces and the variances are sums over F's
     eigenpairs, and the r..s-1 ones are 0."""
-    size, rank = eigvecs.shape
-    k = int(round(size**0.5))
-    level = eigvals.mean()
-    if level <= 0 or k * k != size:
-        return np.eye(size, dtype=np.float32)
-    w = eigvals[:rank]
-    vectors = eigvecs.reshape(k, k, rank)  # V[(o, i), j]
-    _, q_out = np.linalg.eigh(np.einsum("aij,bij,j->ab", vectors, vectors, w))
-    _, q_in = np.linalg.eigh(np.einsum("oaj,obj,j->ab", vectors, vectors, w))
-    q = np.kron(q_out, q_in)
-    corrected = ((eigvecs.T @ q) ** 2 * w[:, None]).sum(0)  # qᵀ F q for every column q of Q
-    return ((q * (1.0 / np.sqrt(corrected + damping * level))) @ q.T).astype(np.float32)
+    return basis_factor(*kronecker_whitening_basis(eigvals, eigvecs, damping))
 
 
 def whitening_factors(eigvals: np.ndarray, eigvecs: Any, damping: float, kronecker: bool = False) -> np.ndarray:

@@ -271,9 +271,17 @@ class IndexWriter:
             group.create_array(name, shape=(self.num_rows,), chunks=(row_chunk,), dtype=dtype, fill_value=fill)
         # Chunked like the per-row arrays: a reader gets the norms of many grads chunks in one read.
         modules = len(self.attrs["modules"])
+        # The scales are stored raw, like the rows: a scattered read (ANN candidates,
+        # `IndexReader.rows_at`) then takes each row's M floats, where zstd (which saved 9%) made it
+        # decompress every 4,096-row chunk a candidate falls in (0.1-0.16 s for 800 rows of 10⁶).
         for name in (NORMS, SCALES) if self.storage_dtype == "int8" else (NORMS,):
             group.create_array(
-                name, shape=(self.num_rows, modules), chunks=(row_chunk, modules), dtype=np.float32, fill_value=0.0
+                name,
+                shape=(self.num_rows, modules),
+                chunks=(row_chunk, modules),
+                dtype=np.float32,
+                fill_value=0.0,
+                **({"compressors": None} if name == SCALES else {}),
             )
         group.attrs[ATTRIBUTE] = self.attrs
         return group

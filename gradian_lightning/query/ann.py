@@ -3,11 +3,14 @@
     rows lo..hi-1 of one checkpoint --`compared_rows` (the Scorer's preconditioner and normalisation)--> [c, D]
       --`Sketch` (a count sketch to query.ann_sketch_dim, only for wider rows)--> [c, d] float32
       --one FAISS IVF index (inner product, 8-bit codes) per shard of query.ann_shard_rows rows-->
-        index.path/ann/<scoring>/shard-00000.faiss ... and ann.json last, once every shard is written
+        index.path/ann/<scoring>/shard-00000.faiss ... and ann.json last, once every shard is written;
+      beside each shard, shard-NNNNN.norms: every row's per-module norms after the preconditioner
     queries: the Scorer's own prepared queries [Q, D] --the same sketch--> [Q, d]
       --each shard: its query.ann_candidates best rows by approximate inner product--> candidate positions
-      --read back from the zarr rows, scored by `Scorer.score` and summed over checkpoints like the
-        exact scan--> the exact top-k of the candidates, a `Ranking`
+      --read back from the zarr rows by the row (`IndexReader.rows_at`), scored by `Scorer.score`
+        with the preconditioner moved onto the queries and the rows' norms from shard-NNNNN.norms
+        (no candidate is whitened), summed over checkpoints like the exact scan--> the exact top-k
+        of the candidates, a `Ranking`
 
 Why an inner-product search ranks like the scorer: for every setting `Scorer.score` is q̂ · r̂, with q̂
 its prepared queries and r̂ the row as compared: preconditioned, then scaled to unit norm per module
@@ -28,6 +31,7 @@ describes another state of the index, is never searched: the next query builds (
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -35,13 +39,14 @@ import numpy as np
 import torch
 
 from gradian_lightning.extras import require_extra
+from gradian_lightning.index.layout import module_norms
 from gradian_lightning.query.scorer import Scorer, unit_modules
 from gradian_lightning.query.topk import MERGE_COLUMNS, Ranking
 from gradian_lightning.specs import QuerySpec
 
 FOLDER = "ann"  # under index.path, beside the zarr arrays
 MANIFEST = "ann.json"  # written last: the ANN index is finished
-FORMAT = 1  # of the files below; another format is rebuilt
+FORMAT = 2  # of the files below; another format is rebuilt (2: the .norms files)
 SKETCH_SEED = 0
 # IVF lists are trained on an even sample of this many rows a list: k-means time is linear in it,
 # and FAISS itself asks for at least 39.
@@ -66,18 +71,22 @@ def uses_ann(spec: QuerySpec, num_rows: int) -> bool:
     return spec.search == "ann" or (spec.search == "auto" and spec.top_k != "all" and num_rows >= AUTO_ANN_ROWS)
 
 
-def compared_rows(scorer: Scorer, rows: torch.Tensor) -> torch.Tensor:
-    """float32 [c, D]: rows [c, D] as `scorer` compares them with its prepared queries, so that
-    `scorer.queries @ compared_rows(scorer, rows).T` are its scores. `scorer` must be made with
-    `shortcut=False` (its queries are then preconditioned once). `rows` may be overwritten."""
+def compared_rows(scorer: Scorer, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [c, D], float32 [c, M]): rows [c, D] as `scorer` compares them with its prepared
+    queries, so that `scorer.queries @ compared.T` are its scores, and their per-module norms after
+    the preconditioner, before any normalisation (what `Scorer.score` takes as `norms`). `scorer`
+    must be made with `shortcut=False` (its queries are then preconditioned once). `rows` may be
+    overwritten."""
     assert not scorer.shortcut, "the ANN index holds the preconditioned rows: Scorer(..., shortcut=False)"
     if scorer.preconditioner is not None:
         rows = scorer.preconditioner(rows)
+    norms = module_norms(rows, scorer.blocks)
     if scorer.spec.score == "cosine" and scorer.spec.normalize == "module":
-        return unit_modules(rows, scorer.blocks)
+        return unit_modules(rows, scorer.blocks, norms), norms
     if scorer.spec.score == "cosine":
-        return rows / rows.norm(dim=1, keepdim=True).clamp_min(torch.finfo(rows.dtype).tiny)
-    return rows
+        whole = torch.linalg.vector_norm(norms, dim=1, keepdim=True)
+        return rows / whole.clamp_min(torch.finfo(rows.dtype).tiny), norms
+    return rows, norms
 
 
 @dataclass(frozen=True)
@@ -164,14 +173,20 @@ def _read_marker(fs: Any, path: str) -> Optional[Dict[str, Any]]:
 def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
     """Build (or keep, when already finished for the same `identity`) shard `number` of `scorer`'s
     ANN index: its rankable rows as compared, sketched, in one FAISS index with their dataset
-    positions as ids. Writes shard-NNNNN.faiss, then shard-NNNNN.json (its marker); returns the marker."""
+    positions as ids, and every row's norms (`compared_rows`) in row order, float32 little-endian
+    [hi - lo, M]. Writes shard-NNNNN.faiss and shard-NNNNN.norms, then shard-NNNNN.json (its
+    marker); returns the marker."""
     faiss = require_faiss()
     fs, where, ident = _filesystem(scorer.index)[0], folder(scorer), identity(scorer)
     index, spec = scorer.index, scorer.spec
     lo, hi = shard_ranges(len(index), spec.ann_shard_rows)[number]
-    data, marker_path = f"{where}/shard-{number:05d}.faiss", f"{where}/shard-{number:05d}.json"
+    data, norms_path, marker_path = (f"{where}/shard-{number:05d}.{end}" for end in ("faiss", "norms", "json"))
     marker = _read_marker(fs, marker_path)
-    if marker is not None and marker["identity"] == ident and fs.exists(data) and fs.size(data) == marker["bytes"]:
+    if (
+        marker is not None
+        and marker["identity"] == ident
+        and all(fs.exists(f) and fs.size(f) == marker[k] for f, k in ((data, "bytes"), (norms_path, "norms_bytes")))
+    ):
         return marker
     sketch = Sketch(index.meta.width, spec.ann_sketch_dim)
     positions = lo + np.flatnonzero(
@@ -181,14 +196,19 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
     # chunk between the reads' larger temporaries, they grew the process to 16.8 GB RSS from 2 GB of
     # rows at 10⁶ rows of 64 a chunk (heap fragmentation, by our reading; 3.6 GiB since: RESULTS §15).
     x = np.empty((len(positions), sketch.out_dim), dtype=np.float32)
+    # Every row's, rankable or not (a row may be rankable at another checkpoint that sums with this
+    # one): the norms `Scorer.score` would compute for it, an unwritten row's 0.
+    norms = np.zeros((hi - lo, len(scorer.blocks)), dtype="<f4")
     step = index.grads.chunks[0] * max(1, READ_ROWS // index.grads.chunks[0])
     filled = 0
     for a in range(lo - lo % step, hi, step):
         a, b = max(a, lo), min(a + step, hi)
         keep = torch.from_numpy(index.rankable(a, b))
+        compared, found_norms = compared_rows(scorer, index.decode(index.stored(a, b), a, b).to(scorer.device))
+        norms[a - lo : b - lo] = found_norms.cpu().numpy()
         if keep.any():
-            rows = index.decode(index.stored(a, b), a, b)[keep]
-            x[filled : filled + len(rows)] = sketch(compared_rows(scorer, rows.to(scorer.device)).cpu())
+            rows = compared.cpu()[keep]
+            x[filled : filled + len(rows)] = sketch(rows)
             filled += len(rows)
     assert filled == len(positions)
     lists = _lists(len(positions))
@@ -201,8 +221,14 @@ def build_shard(scorer: Scorer, number: int) -> Dict[str, Any]:
     fs.makedirs(where, exist_ok=True)
     if fs.exists(marker_path):
         fs.rm(marker_path)  # a stale marker never stands beside a new shard
-    fs.pipe_file(data, payload)
+    for path, content in ((data, payload), (norms_path, norms.tobytes())):
+        if fs.exists(path):
+            # Removed, not overwritten: a process that has the old file memory-mapped (`AnnIndex`)
+            # keeps reading it whole; truncating it in place would crash that process (SIGBUS).
+            fs.rm(path)
+        fs.pipe_file(path, content)
     marker = {"identity": ident, "lo": lo, "hi": hi, "rows": int(found.ntotal), "bytes": len(payload)}
+    marker["norms_bytes"] = norms.nbytes
     fs.pipe_file(marker_path, json.dumps(marker).encode())  # after the shard: it is finished
     return marker
 
@@ -227,20 +253,38 @@ def build_ann(scorer: Scorer) -> Dict[str, Any]:
 
 
 class AnnIndex:
-    """The finished ANN index of one prepared scorer (one checkpoint), searched shard by shard.
+    """The finished ANN index of one scorer's checkpoint and scoring, searched shard by shard.
 
-    `open_ann(scorer)` opens it, building it first when it is missing, half-written or stale.
+    `open_ann(scorer)` opens it, building it first when it is missing, half-written or stale, and
+    keeps it open for the next call (`OPENED`). A shard in a local folder is memory-mapped
+    (`faiss.IO_FLAG_MMAP`: opening reads its coarse quantizer, 8 MiB at 4,000 lists of 512
+    columns, and a search pages in only the probed lists); one behind an fsspec URL is read whole.
     """
 
-    def __init__(self, scorer: Scorer, manifest: Dict[str, Any]) -> None:
+    def __init__(self, fs: Any, where: str, manifest: Dict[str, Any], sketch: "Sketch", modules: int) -> None:
         faiss = require_faiss()
-        self.scorer, self.manifest = scorer, manifest
-        self.sketch = Sketch(scorer.index.meta.width, scorer.spec.ann_sketch_dim)
-        fs, where = _filesystem(scorer.index)[0], folder(scorer)
-        self.shards = [
-            faiss.deserialize_index(np.frombuffer(fs.cat_file(f"{where}/shard-{n:05d}.faiss"), dtype=np.uint8))
-            for n in range(len(manifest["shards"]))
-        ]
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.manifest, self.sketch = manifest, sketch
+        self.starts = np.array([shard["lo"] for shard in manifest["shards"]], dtype=np.int64)
+        paths = [f"{where}/shard-{n:05d}" for n in range(len(manifest["shards"]))]
+        shapes = [(shard["hi"] - shard["lo"], modules) for shard in manifest["shards"]]
+        if isinstance(fs, LocalFileSystem):
+            self.shards = [faiss.read_index(f"{path}.faiss", faiss.IO_FLAG_MMAP) for path in paths]
+            self.norms = [np.memmap(f"{p}.norms", dtype="<f4", mode="r", shape=s) for p, s in zip(paths, shapes)]
+        else:
+            self.shards = [faiss.deserialize_index(np.frombuffer(fs.cat_file(f"{p}.faiss"), np.uint8)) for p in paths]
+            self.norms = [np.frombuffer(fs.cat_file(f"{p}.norms"), "<f4").reshape(s) for p, s in zip(paths, shapes)]
+
+    def norms_at(self, positions: np.ndarray) -> torch.Tensor:
+        """float32 [n, M]: the per-module norms of the rows at sorted dataset `positions` after the
+        preconditioner (`compared_rows`), as `Scorer.score` takes them."""
+        shard = np.searchsorted(self.starts, positions, side="right") - 1
+        out = np.empty((len(positions), self.norms[0].shape[1] if self.norms else 0), dtype=np.float32)
+        for n in np.unique(shard):
+            at = shard == n
+            out[at] = self.norms[n][positions[at] - self.starts[n]]
+        return torch.from_numpy(out)
 
     def candidates(self, queries: torch.Tensor, count: int, nprobe: int) -> np.ndarray:
         """int64 [Q, shards × count]: each shard's `count` best dataset positions per query [Q, D]
@@ -256,25 +300,49 @@ class AnnIndex:
         return np.concatenate(found, axis=1) if found else np.full((len(x), 0), -1, dtype=np.int64)
 
 
+# ANN indexes opened in this process, newest last, keyed by where they are and their manifest (its
+# identity and every shard's size): a query server, or a Python user calling `ann_topk` batch after
+# batch, opens a shard once. Any change to the index's rows or the build changes the manifest, and a
+# changed manifest is opened afresh. A rebuilt shard is a new file (`build_shard` removes the old
+# one first), so a mapped one stays readable and whole. Few entries: one per checkpoint summed.
+OPENED: "OrderedDict[Tuple[str, str, str], AnnIndex]" = OrderedDict()
+OPENED_MAX = 4
+
+
 def open_ann(scorer: Scorer) -> AnnIndex:
     """The ANN index of `scorer` (made with `shortcut=False`), built (or finished) first when its
-    folder holds no ann.json for the index's present state."""
+    folder holds no ann.json for the index's present state; the one already open when it has not
+    changed since (`OPENED`)."""
     fs, where = _filesystem(scorer.index)[0], folder(scorer)
     manifest = _read_marker(fs, f"{where}/{MANIFEST}")
     if manifest is None or manifest["identity"] != identity(scorer):
         manifest = build_ann(scorer)
-    return AnnIndex(scorer, manifest)
+    key = (str(scorer.index.path), where, json.dumps(manifest, sort_keys=True))
+    if key in OPENED:
+        OPENED.move_to_end(key)
+        return OPENED[key]
+    sketch = Sketch(scorer.index.meta.width, scorer.spec.ann_sketch_dim)
+    opened = AnnIndex(fs, where, manifest, sketch, len(scorer.blocks))
+    OPENED[key] = opened
+    while len(OPENED) > OPENED_MAX:
+        OPENED.popitem(last=False)
+    return opened
 
 
-def _exact_scores(scorers: Sequence[Scorer], positions: np.ndarray) -> torch.Tensor:
+def _exact_scores(scorers: Sequence[Scorer], opened: Sequence[AnnIndex], positions: np.ndarray) -> torch.Tensor:
     # float32 [Q, U]: the scorers' weighted, summed scores of the rows at sorted `positions`, a few
-    # thousand rows at a time, read from the zarr rows: the exact scan's numbers for these rows.
+    # thousand rows at a time, each read by itself from the zarr rows (`rows_at`): the exact scan's
+    # numbers for these rows, to float rounding. The preconditioner is moved onto the queries
+    # (`Scorer.for_known_norms`) and the rows' norms come from the ANN index, so no candidate is
+    # whitened: at six 1,024-wide fisher modules that took 1.6 s of 2.1 s for 6,400 candidates.
+    rescorers = [scorer.for_known_norms() for scorer in scorers]
     parts = []
     for lo in range(0, len(positions), MERGE_COLUMNS):
         some = positions[lo : lo + MERGE_COLUMNS]
         total = None
-        for scorer in scorers:
-            part = scorer.score(scorer.index.rows(some).to(scorer.device)).mul_(scorer.weight)
+        for scorer, rescorer, ann in zip(scorers, rescorers, opened):
+            rows, norms = scorer.index.rows_at(some).to(scorer.device), ann.norms_at(some).to(scorer.device)
+            part = rescorer.score(rows, norms=norms).mul_(scorer.weight)
             total = part if total is None else total.add_(part)
         parts.append(total)
     return torch.cat(parts, dim=1)
@@ -291,9 +359,8 @@ def ann_topk(scorers: Sequence[Scorer]) -> tuple[Ranking, Optional[Ranking]]:
     first = scorers[0]
     spec = first.spec
     k, bottom_k = spec.rows_wanted(len(first.index)), spec.bottom_k
-    found = []
-    for scorer in scorers:
-        ann = open_ann(scorer)
+    found, opened = [], [open_ann(scorer) for scorer in scorers]
+    for scorer, ann in zip(scorers, opened):
         for sign in (1, -1) if bottom_k else (1,):
             found.append(ann.candidates(sign * scorer.queries, spec.ann_candidates, spec.ann_nprobe))
     positions = np.unique(np.concatenate(found, axis=1))
@@ -301,7 +368,7 @@ def ann_topk(scorers: Sequence[Scorer]) -> tuple[Ranking, Optional[Ranking]]:
     if len(positions) == 0:  # no rankable row: empty rankings, as the exact scan gives
         empty = Ranking(torch.empty(len(first.queries), 0, dtype=torch.long), torch.empty(len(first.queries), 0))
         return empty, (empty if bottom_k else None)
-    scores = _exact_scores(scorers, positions)
+    scores = _exact_scores(scorers, opened, positions)
     at = torch.from_numpy(positions).to(first.device)
 
     def best(count: int, largest: bool) -> Ranking:

@@ -20,10 +20,13 @@ left as it is. The result is always finite for finite input.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from abc import ABC, abstractmethod
-from typing import Dict, Optional, Type
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple, Type
 
+import numpy as np
 import torch
 
 from gradian_lightning.errors import ConfigError
@@ -32,10 +35,12 @@ from gradian_lightning.index.statistics import (
     COUNTED_ROWS,
     GRAM_MAX_SIZE,
     RowStatistics,
+    basis_factor,
     finished_statistics,
     gram_block_size,
+    kronecker_whitening_basis,
     whiten,
-    whitening_factors,
+    whitening_basis,
 )
 
 # λ relative to the mean eigenvalue when the setting is 0: small enough to keep the whitening,
@@ -46,6 +51,15 @@ DAMPING_FLOOR = 1e-3
 # on every LDS set (the N sweep in docs/configuration.md, "Choosing the scoring").
 FISHER_ROWS_PER_DIMENSION = 1
 AUTO_FEW_ROWS = "ekfac"
+# Fisher and EKFAC preconditioners made in this process from an index's stored eigendecomposition,
+# newest last (`Fisher.from_index`), with the factors they made: those were 0.3-0.5 s of every query
+# batch at six 1,024-wide modules, as long as the rest of an ANN search. Keyed by the index (path, checkpoint), the kind, the
+# damping and the statistics themselves (counted rows and digests of the eigenvalues and sums of
+# squares, all rewritten by any close or append), so a changed index is never given stale factors.
+# Two entries: each holds M·k⁴·12 bytes once its factors are made (bases in float64, factors in
+# float32: 75 MB at 6 modules of k = 32, more at a model's MLP).
+FACTORS: "OrderedDict[Tuple, Preconditioner]" = OrderedDict()
+FACTORS_KEPT = 2
 
 
 class Preconditioner(ABC):
@@ -63,6 +77,11 @@ class Preconditioner(ABC):
 
     @abstractmethod
     def __call__(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def queries(self, rows: torch.Tensor) -> torch.Tensor:
+        """The same map for a few rows, queries [Q, D]: where a preconditioner has a cheaper form for
+        them (Fisher), that one; the same numbers to float rounding, always the same form."""
+        return self(rows)
 
 
 class Diagonal(Preconditioner):
@@ -92,13 +111,33 @@ class Diagonal(Preconditioner):
 
 
 class Fisher(Preconditioner):
-    """Each module block multiplied by its (F_m + λI)^-½: `factors` [M, s, s] float32, symmetric."""
+    """Each module block multiplied by its (F_m + λI)^-½, symmetric, kept in two forms:
+    `bases`, per module (B [s, r] float64, d [r] float64, c) with (F_m + λI)^-½ = B diag(d) Bᵀ + c·I
+    (statistics.whitening_basis), and `factors` [M, s, s] float32, that product multiplied out.
+
+    Queries (`queries`) are whitened through the bases, 2·s·r multiply-adds a row and module, in
+    float64; stored rows (`__call__`: a build's or an unshortcut scan's chunks) through the factors,
+    made on first use: M·s³ multiply-adds (0.3-0.5 s at six 1,024-wide modules, as long as the rest
+    of an ANN search, which whitens only queries)."""
 
     name = "fisher"
     kronecker = False  # EKFAC: F kept on the diagonal of its Kronecker eigenbasis
 
-    def __init__(self, factors: torch.Tensor) -> None:
-        self.factors = factors
+    def __init__(self, bases: List[Tuple[torch.Tensor, torch.Tensor, float]], factors: Optional[torch.Tensor] = None):
+        self.bases, self._factors = bases, factors
+
+    def __getstate__(self) -> Dict:
+        # Sent to Dask workers with the factors made: a worker whitens chunks' rows (for their norms)
+        # with every task it unpickles this in, and must not multiply them out for each.
+        return {"bases": self.bases, "_factors": self.factors}
+
+    @property
+    def factors(self) -> torch.Tensor:
+        """float32 [M, s, s]: each module's (F_m + λI)^-½ (made on first use, then kept)."""
+        if self._factors is None:
+            made = [torch.from_numpy(basis_factor(b.cpu().numpy(), d.cpu().numpy(), c)) for b, d, c in self.bases]
+            self._factors = torch.stack(made).to(self.bases[0][0].device)
+        return self._factors
 
     @classmethod
     def from_index(cls, index: IndexReader, stats: RowStatistics, damping: float) -> "Fisher":
@@ -114,13 +153,41 @@ class Fisher(Preconditioner):
                 f"the index at {str(index.path)!r} has {stats.count} counted rows, fewer than k² = {w.shape[1]}: its second moment is rank-deficient and the damping sets the unseen directions",
                 stacklevel=4,
             )
-        return cls(torch.from_numpy(whitening_factors(w, v, damping, kronecker=cls.kronecker)))
+
+        def made() -> "Fisher":
+            basis = kronecker_whitening_basis if cls.kronecker else whitening_basis
+            # One module at a time: stored eigenvectors are read a module at a time.
+            parts = [basis(w[m], np.asarray(v[m], dtype=np.float64), damping) for m in range(len(w))]
+            return cls([(torch.from_numpy(b), torch.from_numpy(d), float(c)) for b, d, c in parts])
+
+        if not cached:  # summed here from the rows: nothing stored to key them by
+            return made()
+        digest = hashlib.sha256(np.ascontiguousarray(w).tobytes() + np.ascontiguousarray(stats.sumsq).tobytes())
+        key = (str(index.path), index.step, cls.kronecker, float(damping), stats.count, digest.hexdigest())
+        if key not in FACTORS:
+            FACTORS[key] = made()
+            while len(FACTORS) > FACTORS_KEPT:
+                FACTORS.popitem(last=False)
+        FACTORS.move_to_end(key)
+        return FACTORS[key]  # shared: its tensors are never written to, its factors made once for all
 
     def to(self, device: torch.device) -> "Fisher":
-        return type(self)(self.factors.to(device))
+        if all(b.device == torch.device(device) for b, _, _ in self.bases):
+            return self  # the same object: factors it makes are kept for the next batch too
+        bases = [(b.to(device), d.to(device), c) for b, d, c in self.bases]
+        return type(self)(bases, None if self._factors is None else self._factors.to(device))
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return whiten(rows, self.factors)  # (F + λI)^-½ is symmetric: right-multiplying each block row applies it
+
+    def queries(self, rows: torch.Tensor) -> torch.Tensor:
+        # Each module block r ↦ ((r B) ⊙ d) Bᵀ + c r, in float64, back to float32.
+        size = self.bases[0][0].shape[0]
+        blocks = rows.reshape(len(rows), len(self.bases), size).double()
+        out = torch.empty_like(blocks)
+        for m, (b, d, c) in enumerate(self.bases):
+            out[:, m] = ((blocks[:, m] @ b) * d) @ b.T + c * blocks[:, m]
+        return out.reshape(rows.shape).float()
 
 
 class EKFAC(Fisher):

@@ -14,6 +14,7 @@ all score through one. Several checkpoints are several scorers, each with its we
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
@@ -118,15 +119,28 @@ class Scorer:
             )
         queries = query_rows.detach().to(device=self.device, dtype=torch.float32)
         if self.preconditioner is not None:
-            queries = self.preconditioner(queries)
+            queries = self.preconditioner.queries(queries)
         if self.spec.score == "cosine" and self.spec.normalize == "module":
             queries = unit_modules(queries.clone(), self.blocks) / len(self.blocks)  # / M: scores are a mean of cosines
         elif self.spec.score == "cosine":
             queries = _unit(queries)
         if self.shortcut:
-            queries = self.preconditioner(queries)
+            queries = self.preconditioner.queries(queries)
         self.queries = queries
         return self
+
+    def for_known_norms(self) -> "Scorer":
+        """This scorer for rows whose norms as compared the caller passes to `score` (`norms`; the
+        ANN index keeps them): the preconditioner moved onto the queries as under `shortcut` (every
+        preconditioner here is symmetric, so q̂ · P r = P q̂ · r), so the rows are never
+        preconditioned. Without the index (as a Dask worker's scorer): rows scored without `norms`
+        are preconditioned for their norms, never given another preconditioner's stored ones.
+        Itself when there is nothing to move."""
+        if self.preconditioner is None or self.shortcut:
+            return self
+        twin = copy.copy(self)
+        twin.index, twin.shortcut, twin.queries = None, True, self.preconditioner.queries(self.queries)
+        return twin
 
     def _norms(self, lo: Optional[int], hi: Optional[int]) -> Optional[torch.Tensor]:
         # [c, M]: the norms of the chunk's rows as they are compared, when the index stores them.
@@ -134,15 +148,22 @@ class Scorer:
             return None
         return self.index.whitened_norms(lo, hi) if self.shortcut else self.index.stored_norms(lo, hi)
 
-    def score(self, rows: torch.Tensor, lo: Optional[int] = None, hi: Optional[int] = None) -> torch.Tensor:
+    def score(
+        self,
+        rows: torch.Tensor,
+        lo: Optional[int] = None,
+        hi: Optional[int] = None,
+        norms: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Scores [Q, c] float32 of a chunk of decoded rows [c, D] (rows lo..hi-1 of the index)
         against the prepared queries, unweighted.
 
         `rows` must be a tensor the caller does not need afterwards (a decoded chunk): per-module
         cosine normalises it in place. With lo and hi, cosine takes the chunk's norms from the
-        index (stored, or whitened under the shortcut) instead of computing them.
+        index (stored, or whitened under the shortcut) instead of computing them; `norms` [c, M]
+        gives them directly: each module's norm after the preconditioner (`for_known_norms`).
         """
-        norms = self._norms(lo, hi)
+        norms = self._norms(lo, hi) if norms is None else norms
         if self.shortcut and norms is None and self.spec.score == "cosine":
             # No stored whitened norms at hand (a Dask worker has no reader): whiten a copy for them.
             norms = module_norms(self.preconditioner(rows), self.blocks)
