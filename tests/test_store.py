@@ -230,3 +230,13 @@ def test_rows_waiting_for_their_chunk_cost_their_bytes_not_python_objects(tmp_pa
     back = index.rows(slice(None))
     scale = grads.abs().amax(dim=1, keepdim=True) / 127
     assert torch.allclose(back, torch.round(grads / scale) * scale, atol=1e-6)
+
+
+def test_narrow_rows_are_chunked_by_a_row_cap_not_only_by_bytes(tmp_path, monkeypatch):
+    # 4 MiB of 32-byte int8 rows would be 131,072 rows waiting in memory per chunk (RESULTS §9).
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 4 * 2**20)
+    assert layout.chunk_rows(32, "int8") == layout.CHUNK_MAX_ROWS == 16_384
+    assert layout.chunk_rows(92_160, "int8") == 45  # a default-width SmolLM2 row: bytes decide
+    writer = IndexWriter(tmp_path / "ix", 40_000, 32, "int8", META)
+    assert writer.group["grads"].chunks[0] == 16_384
+    writer.close()

@@ -56,6 +56,11 @@ ATTRIBUTE = "gradian"
 # Target size of one grads chunk, uncompressed. 4 MiB keeps a chunk and its float32 upcast in cache
 # while a query scores it: 2x the streaming top-k throughput of 16 MiB (benchmarks/RESULTS.md §5).
 CHUNK_BYTES = 4 * 2**20
+# ...and at most this many rows. Rows wait in memory until their chunk is whole, with their ids and
+# columns (~150 bytes a row beside the row's own), and a chunk is flushed at once: at k = 4, int8,
+# two modules (32 bytes a row), 4 MiB is 131,072 rows, and indexing 10^6 of them peaked ~125 MiB
+# above 10^4 (benchmarks/RESULTS.md §9). A default-width row (92 KB) fills 4 MiB at 45 rows.
+CHUNK_MAX_ROWS = 16_384
 NORMS = "norms"  # [N, M] float32 per-module L2 norms of the stored rows
 SCALES = "scales"  # [N, M] float32 per-module scales of int8 rows
 NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int8": np.int8}
@@ -194,8 +199,8 @@ def fingerprint(parts: Dict[str, Any]) -> str:
 
 
 def chunk_rows(width: int, storage_dtype: str) -> int:
-    """Rows per grads chunk: about CHUNK_BYTES of uncompressed data."""
-    return max(1, CHUNK_BYTES // (width * np.dtype(NUMPY_DTYPE[storage_dtype]).itemsize))
+    """Rows per grads chunk: about CHUNK_BYTES of uncompressed data, at most CHUNK_MAX_ROWS."""
+    return max(1, min(CHUNK_MAX_ROWS, CHUNK_BYTES // (width * np.dtype(NUMPY_DTYPE[storage_dtype]).itemsize)))
 
 
 def stored_meta(path: str | Path | Location) -> Optional[Dict[str, Any]]:

@@ -133,7 +133,7 @@ class IndexWriter:
     another step (the same job, other weights) is replaced. Anything else at `path` is replaced
     only when `overwrite` is true: a different index or a foreign directory is never lost silently,
     and the refusal names the differing keys of `layout.identity(meta)`. `rows_per_chunk` overrides the
-    ~4 MiB grads chunk (`layout.chunk_rows`): the unit a killed run loses at most.
+    ~4 MiB grads chunk of at most 16,384 rows (`layout.chunk_rows`): the unit a killed run loses at most.
     """
 
     def __init__(
