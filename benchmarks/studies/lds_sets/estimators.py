@@ -21,7 +21,18 @@ G̃_n = Q_Gᵀ G_n Q_A, every estimator here is Σ_modules Σ_{o,i} w(E)[o,i] G�
     ... unroll h       w = Ē (1 - exp(-h E / Ē)) / E, Ē the mean of E over every module
 
 Modules are processed a group of layers at a time (every row's G̃_n of a group in memory), so
-SmolLM2's whole MLP fits: one forward + backward of every row per group and checkpoint.
+SmolLM2's whole MLP fits: one forward + backward of every row per group and checkpoint. Modules
+outside the layers (the output head, `lm_head`) are a group each, after them.
+
+`--modules` picks the modules: the MLP's (the default, every result before the option), the
+output head, the attention projections, or sums of them. The head's weight gradient of a row is
+Σ_t (p_t − y_t) ⊗ h_t over its supervised tokens (p_t the softmax, y_t the one-hot target, h_t the
+final hidden state). Where the model ties the head to the input embedding (SmolLM2; the tiny
+Llama does not), the hook sees the head's use of the shared weight only, not the embedding's.
+Where a selected module's side exceeds KFAC_MAX_SIDE (SmolLM2's head, vocab × vocab), only the
+inner product is computed, in factored form per token pair, with no weight gradient made:
+
+    ⟨G_q, G_n⟩ = Σ_{t∈q, s∈n} (δ_t · δ_s) (x_t · x_s)
 """
 
 from __future__ import annotations
@@ -53,6 +64,22 @@ from gradian_lightning.validation.subsets import SubsetRuns, write_json_atomical
 
 HERE = Path(__file__).resolve().parent
 MLP = ("gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+HEAD = ("lm_head",)
+# --modules: which nn.Linear modules' gradients every estimator is computed over (by their last
+# name). "mlp" is every result before this option; "all" every nn.Linear of a Llama.
+MODULES = {
+    "mlp": MLP,
+    "head": HEAD,
+    "mlp+head": MLP + HEAD,
+    "attn": ATTENTION,
+    "mlp+attn": MLP + ATTENTION,
+    "all": MLP + ATTENTION + HEAD,
+}
+# A module with a side larger than this has no K-FAC factors here (SmolLM2's head: G would be
+# 49,152² values, 19 GB in float64): a selection holding one computes the inner product only, in
+# factored form (module docstring).
+KFAC_MAX_SIDE = 8192
 DAMPINGS = (0.01, 0.1, 1.0)
 # How the two checkpoints' scores combine (`combined` in main).
 CASES = ("ft", "ft cos", "base+ft", "base+ft qn", "base+ft cos")
@@ -107,10 +134,74 @@ def token_grads(model, modules: Dict[str, torch.nn.Linear], batch, dtype):
     return {n: (inputs[n].to(dtype) * mask, g.to(dtype) * mask) for n, g in zip(modules, grads)}
 
 
-def scores_at(model, tokenizer, train, queries, spec: Dict, group_layers: int, dtype) -> Dict[str, np.ndarray]:
-    """Every estimator's [Q, N] scores at one model (module docstring)."""
+def selected_modules(model, choice: str = "mlp") -> Dict[str, torch.nn.Linear]:
+    """{name: module} of the nn.Linear modules `--modules choice` names, in the model's order."""
+    names = MODULES[choice]
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in names}
+
+
+def module_groups(modules: Dict[str, torch.nn.Linear], group_layers: int) -> List[Dict[str, torch.nn.Linear]]:
+    """The modules in groups of `group_layers` decoder layers, then each module outside the layers
+    (the head) alone: the rows' gradients of one group are held in memory at once."""
+
+    def layer(name: str) -> Optional[int]:
+        return int(name.split(".layers.")[1].split(".")[0]) if ".layers." in name else None
+
+    layers = sorted({layer(n) for n in modules if layer(n) is not None})
+    groups = []
+    for lo in range(0, len(layers), group_layers):
+        chosen = set(layers[lo : lo + group_layers])
+        groups.append({n: m for n, m in modules.items() if layer(n) in chosen})
+    return groups + [{n: m} for n, m in modules.items() if layer(n) is None]
+
+
+def factored_inner(model, tokenizer, train, queries, spec: Dict, modules, group_layers: int, dtype):
+    """The inner product alone, ⟨G_q, G_n⟩ = Σ_{t,s} (δ_t·δ_s)(x_t·x_s) per module, summed: [Q, N]
+    scores and both sides' squared norms, from each row's tokens with a nonzero δ (a position whose
+    output gradient is zero adds nothing), without making any row's weight gradient."""
+    length, size = spec["max_seq_length"], 8
+    scores, q_norm, n_norm = 0.0, 0.0, 0.0
+    for group in module_groups(modules, group_layers):
+        tokens = {n: {"train": [], "query": []} for n in group}  # (row, x [T, in], δ [T, out]) per row
+        for rows, label in ((train, "train"), (queries, "query")):
+            row = 0
+            for batch in batches(rows, tokenizer, length, size):
+                for n, (x, g) in token_grads(model, group, batch, dtype).items():
+                    for b in range(x.shape[0]):
+                        live = g[b].abs().amax(dim=1) > 0
+                        tokens[n][label].append((row + b, x[b, live], g[b, live]))
+                row += batch["input_ids"].shape[0]
+        for n in group:
+            sides = {}
+            for label, count in (("train", len(train)), ("query", len(queries))):
+                rows_of = tokens[n][label]
+                owner = torch.cat([torch.full((len(x),), r) for r, x, _ in rows_of])
+                x = torch.cat([x for _, x, _ in rows_of])
+                g = torch.cat([g for _, _, g in rows_of])
+                own = torch.zeros(count, dtype=dtype)  # ‖G_r‖² = Σ_{t,s∈r} (δ_t·δ_s)(x_t·x_s)
+                for r, xr, gr in rows_of:
+                    own[r] += ((gr @ gr.T) * (xr @ xr.T)).sum()
+                sides[label] = (owner, x, g, own, count)
+            q_owner, q_x, q_g, q_own, q_count = sides["query"]
+            n_owner, n_x, n_g, n_own, n_count = sides["train"]
+            pairs = (q_g @ n_g.T) * (q_x @ n_x.T)  # [Tq, Tn] token-pair products
+            by_query = torch.zeros(q_count, pairs.shape[1], dtype=dtype).index_add_(0, q_owner, pairs)
+            block = torch.zeros(q_count, n_count, dtype=dtype).index_add_(1, n_owner, by_query)
+            scores = scores + block.double()
+            q_norm, n_norm = q_norm + q_own.double(), n_norm + n_own.double()
+            tokens[n] = None
+            del pairs, by_query, block
+    return {"inner": scores.numpy()}, {"inner": (q_norm.numpy(), n_norm.numpy())}, {}
+
+
+def scores_at(
+    model, tokenizer, train, queries, spec: Dict, group_layers: int, dtype, choice: str = "mlp"
+) -> Dict[str, np.ndarray]:
+    """Every estimator's [Q, N] scores at one model (module docstring), over `--modules choice`."""
     model.eval()
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in MLP}
+    modules = selected_modules(model, choice)
+    if max(max(m.in_features, m.out_features) for m in modules.values()) > KFAC_MAX_SIDE:
+        return factored_inner(model, tokenizer, train, queries, spec, modules, group_layers, dtype)
     length, size = spec["max_seq_length"], 8
     # Pass 1, every module: A and G sums, positions, examples, Σ_n ‖G_n‖² (the EK-FAC eigenvalues' total).
     a_sum = {n: 0 for n in modules}
@@ -140,10 +231,7 @@ def scores_at(model, tokenizer, train, queries, spec: Dict, group_layers: int, d
     out = {e: 0.0 for e in names}
     q_norm: Dict[str, torch.Tensor] = {}
     n_norm: Dict[str, torch.Tensor] = {}
-    layers = sorted({int(n.split(".layers.")[1].split(".")[0]) for n in modules})
-    for lo in range(0, len(layers), group_layers):
-        chosen = set(layers[lo : lo + group_layers])
-        group = {n: m for n, m in modules.items() if int(n.split(".layers.")[1].split(".")[0]) in chosen}
+    for group in module_groups(modules, group_layers):
         rotated: Dict[str, List[torch.Tensor]] = {n: [] for n in group}
         for rows, label in ((train, "train"), (queries, "query")):
             for batch in batches(rows, tokenizer, length, size):
@@ -179,9 +267,35 @@ def scores_at(model, tokenizer, train, queries, spec: Dict, group_layers: int, d
     return {k: v.numpy() for k, v in out.items()}, norms, mean_e
 
 
+def merged_by_set(results: List[Dict]) -> List[Dict]:
+    """One result per set from results over several `--modules` (a result without the key is the
+    MLP's, as every result before the option): entries of other modules are named "MODULES: estimator"
+    and carry `modules`, so the best reference stays the MLP's, as issue 41 defines it."""
+    merged: Dict[str, Dict] = {}
+    for result in sorted(results, key=lambda r: r.get("modules", "mlp") != "mlp"):  # the MLP's first
+        modules = result.get("modules", "mlp")
+        entries = [
+            {
+                **e,
+                "modules": modules,
+                "estimator": e["estimator"] if modules == "mlp" else f"{modules}: {e['estimator']}",
+            }
+            for e in result["entries"]
+            if result["set"] not in merged or e["estimator"] != "BM25"  # BM25 once a set
+        ]
+        if result["set"] in merged:
+            merged[result["set"]]["entries"] += entries
+        else:
+            merged[result["set"]] = {**result, "entries": entries}
+    return list(merged.values())
+
+
 def is_reference(entry: Dict) -> bool:
     """The field's estimators as issue 41 names them: exact inner product and whole-row cosine, and
-    full-space K-FAC and EK-FAC influence at each damping, at the fine-tune alone and summed."""
+    full-space K-FAC and EK-FAC influence at each damping, at the fine-tune alone and summed, over
+    the MLP's modules."""
+    if entry.get("modules", "mlp") != "mlp":
+        return False
     if entry["estimator"] == "inner":
         return entry["case"] in ("ft", "ft cos", "base+ft", "base+ft cos")
     return " d=" in entry["estimator"] and entry["case"] in ("ft", "base+ft")
@@ -279,6 +393,59 @@ def above_bm25(result: Dict, top: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --by-modules: the (case, estimator) pairs shown for each --modules.
+SHOWN = (
+    ("ft", "inner"),
+    ("ft cos", "inner"),
+    ("base+ft", "inner"),
+    ("base+ft cos", "inner"),
+    ("base+ft", "kfac d=0.1"),
+    ("base+ft cos", "kfac d=0.1"),
+    ("base+ft", "ekfac d=0.1"),
+    ("base+ft cos", "kfac unroll h=1"),
+    ("base+ft cos", "kfac unroll h=30"),
+)
+
+
+def modules_table(results: List[Dict], against: str, shown: Sequence[tuple] = SHOWN) -> str:
+    """Each shown (case, estimator) over each `--modules` in `results` (merged_by_set): raw LDS ±
+    standard error per set, raw LDS minus BM25's on the set `against` (paired by query), and the
+    worst share of each set's best reference (MLP) over the sets with a raw noise ceiling where the
+    pair was measured (those where it was not are named)."""
+    order = list(MODULES)
+    present = sorted({e.get("modules", "mlp") for r in results for e in r["entries"]}, key=order.index)
+    counted = [r for r in results if raw_ceiling_above_zero(r)]
+    head = "| modules | case | estimator | " + " | ".join(r["set"] for r in results)
+    lines = [head + f" | minus BM25 on {against} | worst share | not measured on |", "|---" * (len(results) + 6) + "|"]
+    lexical = {r["set"]: next(e for e in r["entries"] if e["estimator"] == "BM25") for r in results}
+    for modules in present:
+        for case, base_name in shown:
+            name = base_name if modules == "mlp" else f"{modules}: {base_name}"
+            found = {
+                r["set"]: next((e for e in r["entries"] if (e["case"], e["estimator"]) == (case, name)), None)
+                for r in results
+            }
+            if not any(found.values()):
+                continue
+            cells = [f"{e['lds']:+.3f} ± {e['standard_error']:.3f}" if e else "—" for e in found.values()]
+            target = found.get(against)
+            difference = (
+                paired_difference(target["per_query"]["raw"], lexical[against]["per_query"]["raw"]) if target else None
+            )
+            paired = (
+                f"{difference[0]:+.3f} ± {difference[1]:.3f} ({difference[0] / difference[1]:+.1f} SE)"
+                if difference
+                else "—"
+            )
+            shares = [(found[r["set"]]["lds"] / best_reference(r)["lds"], r["set"]) for r in counted if found[r["set"]]]
+            worst = "{:.2f} ({})".format(*min(shares)) if shares else "—"
+            missing = ", ".join(r["set"] for r in counted if not found[r["set"]])
+            lines.append(
+                f"| {modules} | {case} | {base_name} | " + " | ".join(cells) + f" | {paired} | {worst} | {missing} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def set_table(result: Dict, estimators_shown: Sequence[str]) -> str:
     ceiling = result.get("ceiling")
     lines = [
@@ -304,7 +471,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", nargs="?", help="the set's work folder name, e.g. facts-N256 (under --root)")
     parser.add_argument("--root", type=Path, default=Path("/tmp/gradian-lds-sets"))
-    parser.add_argument("--results", type=Path, default=HERE / "estimators")
+    parser.add_argument(
+        "--results", type=Path, nargs="+", default=[HERE / "estimators"],
+        help="the folder results go to; --report: every result under these folders, merged by set",
+    )  # fmt: skip
+    parser.add_argument(
+        "--modules", choices=list(MODULES), default="mlp",
+        help="the nn.Linear modules the estimators are computed over (module docstring)",
+    )  # fmt: skip
     parser.add_argument("--group-layers", type=int, default=64, help="layers whose rows' gradients are held at once")
     parser.add_argument("--float64", action="store_true", help="float64 arithmetic (the tiny sets)")
     parser.add_argument(
@@ -322,11 +496,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--report", action="store_true", help="print the tables of every result in --results")
     parser.add_argument(
+        "--by-modules", metavar="SET",
+        help="--report: only the table of SHOWN estimators for each --modules measured, minus BM25 on SET",
+    )  # fmt: skip
+    parser.add_argument(
         "--above-bm25", type=int, default=0, help="--report: also each set's N estimators furthest above BM25 (paired)"
     )
     args = parser.parse_args(argv)
     if args.report:
-        results = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
+        results = merged_by_set([json.loads(p.read_text()) for d in args.results for p in sorted(d.rglob("*.json"))])
+        if args.by_modules:
+            print(modules_table(results, args.by_modules))
+            return 0
         shown = ["inner", "kfac d=0.1", "ekfac d=0.1", "kfac unroll h=1", "kfac unroll h=100", "ekfac unroll h=100"]
         for result in results:
             print(f"#### {result['set']}\n\n`{result['command']}`\n\n{set_table(result, shown)}")
@@ -369,10 +550,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checkpoints.append(("ft", work / "ft"))
     for label, path in checkpoints:
         # The scores do not depend on the retrained subsets: kept, so they can be made while those train.
-        cache = work / f"estimator-scores-{label}-{str(dtype).split('.')[-1]}.pt"
+        selection = "" if args.modules == "mlp" else f"{args.modules}-"  # the MLP's caches keep their names
+        cache = work / f"estimator-scores-{selection}{label}-{str(dtype).split('.')[-1]}.pt"
         if not cache.is_file():
             model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={path}"]).model)
-            made = scores_at(model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype)
+            made = scores_at(model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype, args.modules)
             torch.save(made, cache)
             print(f"{args.name}: {label} scored at {time.perf_counter() - started:.0f} s", flush=True)
         per_checkpoint[label], norms[label], means[label] = torch.load(cache, weights_only=False)
@@ -400,8 +582,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     entries = []
     cases = CASES + (("all", "all qn", "all cos") if args.epochs_between else ())
+    computed = [name for name in estimators() if name in per_checkpoint["ft"]]  # inner only where factored
     for case in cases:
-        for name in estimators():
+        for name in computed:
             scores = combined(name, case)
             entry = {"estimator": name, "case": case, **lds_figures(scores, subsets, outputs)}
             entry["per_query"] = per_query(scores, subsets, outputs)
@@ -423,6 +606,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ceiling = noise_ceiling(runs.losses())
     out = {
         "set": args.name,
+        "modules": args.modules,
         "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": len(train),
@@ -436,8 +620,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "wall_seconds": time.perf_counter() - started,
         "entries": entries,
     }
-    args.results.mkdir(parents=True, exist_ok=True)
-    write_json_atomically(args.results / f"{args.name}.json", out)
+    if len(args.results) != 1:
+        parser.error("--results: one folder when computing (several only with --report)")
+    args.results[0].mkdir(parents=True, exist_ok=True)
+    write_json_atomically(args.results[0] / f"{args.name}.json", out)
     for e in entries:
         print(
             f"{e['case']:8s} {e['estimator']:22s} raw {e['lds']:+.3f} ± {e['standard_error']:.3f}  centred {e['centred_lds']:+.3f}  R@10 {e.get('recall@10', float('nan')):.2f}"
