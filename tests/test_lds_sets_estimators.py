@@ -100,3 +100,30 @@ def test_factored_inner_product_equals_the_rotated_one(setup, monkeypatch):
     np.testing.assert_allclose(factored["inner"], rotated["inner"], rtol=1e-9, atol=1e-12)
     for side in (0, 1):
         np.testing.assert_allclose(norms["inner"][side], rotated_norms["inner"][side], rtol=1e-9)
+
+
+def test_per_family_sums_each_parts_cosine_in_its_own_metric():
+    rng = np.random.default_rng(0)
+    g = {part: (rng.normal(size=(3, 40)), rng.normal(size=(7, 40))) for part in ("mlp", "head")}
+    g["head"] = (100 * g["head"][0], 100 * g["head"][1])  # a part with larger gradients weighs the same
+    parts = [({"inner": q @ n.T}, {"inner": ((q * q).sum(1), (n * n).sum(1))}, {"kfac": 1.0}) for q, n in g.values()]
+    scores, norms, _ = est.per_family(parts)
+    unit = lambda a: a / np.linalg.norm(a, axis=1, keepdims=True)  # noqa: E731
+    expected = sum(unit(q) @ unit(n).T for q, n in g.values())
+    np.testing.assert_allclose(scores["inner"], expected, rtol=1e-12)
+    assert [a.tolist() for a in norms["inner"]] == [[1.0] * 3, [1.0] * 7]
+
+
+def test_per_family_adds_a_part_without_factors_as_its_plain_cosine():
+    rng = np.random.default_rng(1)
+    q, n = rng.normal(size=(2, 5)), rng.normal(size=(4, 5))
+    plain = ({"inner": q @ n.T}, {"inner": ((q * q).sum(1), (n * n).sum(1))}, {})
+    both = (
+        {"inner": q @ n.T, "kfac d=0.1": 2 * q @ n.T},
+        plain[1] | {"kfac d=0.1": (4 * (q * q).sum(1), (n * n).sum(1))},
+        {},
+    )
+    scores, _, _ = est.per_family([both, plain])
+    cos = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ (n / np.linalg.norm(n, axis=1, keepdims=True)).T
+    np.testing.assert_allclose(scores["inner"], 2 * cos, rtol=1e-12)
+    np.testing.assert_allclose(scores["kfac d=0.1"], 2 * cos, rtol=1e-12)  # 2qn / √(4q²n²) + the plain cosine

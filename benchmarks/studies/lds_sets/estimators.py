@@ -76,6 +76,8 @@ MODULES = {
     "mlp+attn": MLP + ATTENTION,
     "all": MLP + ATTENTION + HEAD,
 }
+# --modules A|B: each part's cosine in the estimator's metric, summed (per_family).
+PER_FAMILY = ("mlp|head", "mlp|attn|head")
 # A module with a side larger than this has no K-FAC factors here (SmolLM2's head: G would be
 # 49,152² values, 19 GB in float64): a selection holding one computes the inner product only, in
 # factored form (module docstring).
@@ -290,6 +292,24 @@ def merged_by_set(results: List[Dict]) -> List[Dict]:
     return list(merged.values())
 
 
+def per_family(parts: List[tuple]) -> tuple:
+    """`--modules A|B`: at one checkpoint, the sum over the parts of each part's cosine in the
+    estimator's own metric (an unroll's Ē is each part's own), as (scores, norms, mean eigenvalues)
+    with unit norms, so that every case is a sum of per-part cosines ("ft" that checkpoint's, "base+ft"
+    the mean over both): the parts weigh the same whatever their gradients' sizes. The estimators are
+    the first part's; a later part with no factors (SmolLM2's head: inner product only) adds its
+    plain cosine to each, the most its size allows."""
+
+    def cosine(scores, norms, name):
+        name = name if name in scores else "inner"
+        return scores[name] / np.sqrt(np.outer(*norms[name]))
+
+    names = list(parts[0][0])
+    summed = {n: sum(cosine(scores, norms, n) for scores, norms, _ in parts) for n in names}
+    ones = {n: (np.ones(summed[n].shape[0]), np.ones(summed[n].shape[1])) for n in names}
+    return summed, ones, [means for _, _, means in parts]
+
+
 def is_reference(entry: Dict) -> bool:
     """The field's estimators as issue 41 names them: exact inner product and whole-row cosine, and
     full-space K-FAC and EK-FAC influence at each damping, at the fine-tune alone and summed, over
@@ -412,7 +432,7 @@ def modules_table(results: List[Dict], against: str, shown: Sequence[tuple] = SH
     standard error per set, raw LDS minus BM25's on the set `against` (paired by query), and the
     worst share of each set's best reference (MLP) over the sets with a raw noise ceiling where the
     pair was measured (those where it was not are named)."""
-    order = list(MODULES)
+    order = list(MODULES) + list(PER_FAMILY)
     present = sorted({e.get("modules", "mlp") for r in results for e in r["entries"]}, key=order.index)
     counted = [r for r in results if raw_ceiling_above_zero(r)]
     head = "| modules | case | estimator | " + " | ".join(r["set"] for r in results)
@@ -476,7 +496,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="the folder results go to; --report: every result under these folders, merged by set",
     )  # fmt: skip
     parser.add_argument(
-        "--modules", choices=list(MODULES), default="mlp",
+        "--modules", choices=list(MODULES) + list(PER_FAMILY), default="mlp",
         help="the nn.Linear modules the estimators are computed over (module docstring)",
     )  # fmt: skip
     parser.add_argument("--group-layers", type=int, default=64, help="layers whose rows' gradients are held at once")
@@ -513,7 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"#### {result['set']}\n\n`{result['command']}`\n\n{set_table(result, shown)}")
         print(f"#### Worst set\n\n{worst_set_table(results)}")
         for key in args.defaults:
-            case, name = key.split(":")
+            case, name = key.split(":", 1)  # a --modules name holds ":" too
             print(f"#### {case}, {name} on every set\n\n{against_bm25(results, (case, name))}")
         if args.above_bm25:
             for result in results:
@@ -549,15 +569,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         checkpoints.append((f"e{k}", path))
     checkpoints.append(("ft", work / "ft"))
     for label, path in checkpoints:
-        # The scores do not depend on the retrained subsets: kept, so they can be made while those train.
-        selection = "" if args.modules == "mlp" else f"{args.modules}-"  # the MLP's caches keep their names
-        cache = work / f"estimator-scores-{selection}{label}-{str(dtype).split('.')[-1]}.pt"
-        if not cache.is_file():
-            model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={path}"]).model)
-            made = scores_at(model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype, args.modules)
-            torch.save(made, cache)
-            print(f"{args.name}: {label} scored at {time.perf_counter() - started:.0f} s", flush=True)
-        per_checkpoint[label], norms[label], means[label] = torch.load(cache, weights_only=False)
+        parts = []
+        for part in args.modules.split("|"):  # "mlp|head": each part scored (and cached) on its own
+            # The scores do not depend on the retrained subsets: kept, so they can be made while those train.
+            selection = "" if part == "mlp" else f"{part}-"  # the MLP's caches keep their names
+            cache = work / f"estimator-scores-{selection}{label}-{str(dtype).split('.')[-1]}.pt"
+            if not cache.is_file():
+                model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={path}"]).model)
+                made = scores_at(model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype, part)
+                torch.save(made, cache)
+                print(f"{args.name}: {label} ({part}) scored at {time.perf_counter() - started:.0f} s", flush=True)
+            parts.append(torch.load(cache, weights_only=False))
+        per_checkpoint[label], norms[label], means[label] = parts[0] if len(parts) == 1 else per_family(parts)
     if args.scores_only:
         return 0
 
