@@ -55,6 +55,7 @@ from benchmarks.studies.lds_sets.common import (
     paired_difference,
     per_query,
     retrieval,
+    subset_standard_error,
 )
 from gradian_lightning import JsonlDataset, collate, read_jsonl
 from gradian_lightning.config import load_config
@@ -280,7 +281,9 @@ def merged_by_set(results: List[Dict]) -> List[Dict]:
             {
                 **e,
                 "modules": modules,
-                "estimator": e["estimator"] if modules == "mlp" else f"{modules}: {e['estimator']}",
+                "estimator": e["estimator"]
+                if modules == "mlp" or e["estimator"] == "BM25"
+                else f"{modules}: {e['estimator']}",
             }
             for e in result["entries"]
             if result["set"] not in merged or e["estimator"] != "BM25"  # BM25 once a set
@@ -325,9 +328,15 @@ def best_reference(result: Dict) -> Dict:
     return max((e for e in result["entries"] if is_reference(e)), key=lambda e: e["lds"])
 
 
+def has_reference(result: Dict) -> bool:
+    """Whether the MLP's estimators were run on the set (a set with only other --modules has no
+    best reference, so no share)."""
+    return any(is_reference(e) for e in result["entries"])
+
+
 def worst_set_table(results: List[Dict], top: int = 12, always: Sequence[tuple] = ()) -> str:
     """Every (case, estimator) by its worst share of each set's best reference (raw LDS)."""
-    left_out = [r["set"] for r in results if not raw_ceiling_above_zero(r)]
+    left_out = [r["set"] for r in results if not raw_ceiling_above_zero(r) or not has_reference(r)]
     results = [r for r in results if r["set"] not in left_out]
     common = set.intersection(*({(e["case"], e["estimator"]) for e in r["entries"]} for r in results))
     keys = [(e["case"], e["estimator"]) for e in results[0]["entries"] if (e["case"], e["estimator"]) in common]
@@ -359,7 +368,11 @@ def worst_set_table(results: List[Dict], top: int = 12, always: Sequence[tuple] 
     for worst, (case, name), shares in chosen:
         cells = [f"{e['lds']:+.3f} ({v:.2f})" for v, e in shares.values()]
         lines.append(f"| {case} | {name} | {worst:.2f} | " + " | ".join(cells) + " |")
-    note = f"\nLeft out (raw noise ceiling within 2 standard errors of 0): {', '.join(left_out)}.\n" if left_out else ""
+    note = (
+        f"\nLeft out (raw noise ceiling within 2 standard errors of 0, or no MLP reference): {', '.join(left_out)}.\n"
+        if left_out
+        else ""
+    )
     return "\n".join(lines) + "\n" + note
 
 
@@ -368,26 +381,41 @@ def raw_ceiling_above_zero(result: Dict) -> bool:
     return bool(ceiling) and ceiling["lds"] > 2 * ceiling["standard_error"]
 
 
-def against_bm25(results: List[Dict], key: tuple) -> str:
+def against_bm25(results: List[Dict], key: tuple, minus: Optional[tuple] = None) -> str:
     """One (case, estimator) on every set: raw and centred LDS, its share of the set's best
-    reference, retrieval, and its raw LDS minus BM25's paired by query (mean ± standard error)."""
+    reference, retrieval, and its raw LDS minus BM25's paired by query (mean ± standard error);
+    with `minus`, also minus that (case, estimator)'s raw LDS, paired by query."""
     lines = [
-        "| set | raw LDS | share of best reference | centred LDS | R@10 | MRR | minus BM25 (paired) |",
-        "|---|---|---|---|---|---|---|",
+        "| set | raw LDS | share of best reference | centred LDS | R@10 | MRR | minus BM25 (paired) |"
+        + (f" minus {minus[0]}, {minus[1]} (paired) |" if minus else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if minus else ""),
     ]
     for r in results:
-        entry = next(e for e in r["entries"] if (e["case"], e["estimator"]) == key)
+        entry = next((e for e in r["entries"] if (e["case"], e["estimator"]) == key), None)
+        if entry is None:  # --modules not run on this set
+            lines.append(f"| {r['set']} | not measured | | | | | |")
+            continue
         lexical = next(e for e in r["entries"] if e["estimator"] == "BM25")
         difference = paired_difference(entry["per_query"]["raw"], lexical["per_query"]["raw"])
         paired = f"{difference[0]:+.3f} ± {difference[1]:.3f}" if difference else "BM25 has no score"
-        share = entry["lds"] / best_reference(r)["lds"]
+        if difference and "minus_bm25_subset_standard_error" in entry:  # both parts of the error
+            both = float(np.hypot(difference[1], entry["minus_bm25_subset_standard_error"]))
+            paired += f" (± {both:.3f} with the subsets': {difference[0] / both:+.1f} SE)"
+        share = entry["lds"] / best_reference(r)["lds"] if has_reference(r) else float("nan")
         flag = "" if raw_ceiling_above_zero(r) else " (raw ceiling ≈ 0)"
         lines.append(
             f"| {r['set']}{flag} | {entry['lds']:+.3f} ± {entry['standard_error']:.3f} | {share:.2f} | "
             f"{entry['centred_lds']:+.3f} ± {entry['centred_standard_error']:.3f} | {entry.get('recall@10', float('nan')):.2f} | "
-            f"{entry.get('mrr', float('nan')):.2f} | {paired} |"
+            f"{entry.get('mrr', float('nan')):.2f} | {paired} |" + (f" {versus(r, entry, minus)} |" if minus else "")
         )
     return "\n".join(lines) + "\n"
+
+
+def versus(result: Dict, entry: Dict, key: tuple) -> str:
+    """`entry`'s raw LDS minus that of the (case, estimator) `key` on the same set, paired by query."""
+    other = next((e for e in result["entries"] if (e["case"], e["estimator"]) == key), None)
+    difference = paired_difference(entry["per_query"]["raw"], other["per_query"]["raw"]) if other else None
+    return f"{difference[0]:+.3f} ± {difference[1]:.3f}" if difference else "—"
 
 
 def above_bm25(result: Dict, top: int) -> str:
@@ -434,9 +462,13 @@ def modules_table(results: List[Dict], against: str, shown: Sequence[tuple] = SH
     pair was measured (those where it was not are named)."""
     order = list(MODULES) + list(PER_FAMILY)
     present = sorted({e.get("modules", "mlp") for r in results for e in r["entries"]}, key=order.index)
-    counted = [r for r in results if raw_ceiling_above_zero(r)]
+    counted = [r for r in results if raw_ceiling_above_zero(r) and has_reference(r)]
     head = "| modules | case | estimator | " + " | ".join(r["set"] for r in results)
-    lines = [head + f" | minus BM25 on {against} | worst share | not measured on |", "|---" * (len(results) + 6) + "|"]
+    lines = [
+        head
+        + f" | minus BM25 on {against} (paired; ± over queries; ± with the subsets) | worst share | not measured on |",
+        "|---" * (len(results) + 6) + "|",
+    ]
     lexical = {r["set"]: next(e for e in r["entries"] if e["estimator"] == "BM25") for r in results}
     for modules in present:
         for case, base_name in shown:
@@ -452,11 +484,10 @@ def modules_table(results: List[Dict], against: str, shown: Sequence[tuple] = SH
             difference = (
                 paired_difference(target["per_query"]["raw"], lexical[against]["per_query"]["raw"]) if target else None
             )
-            paired = (
-                f"{difference[0]:+.3f} ± {difference[1]:.3f} ({difference[0] / difference[1]:+.1f} SE)"
-                if difference
-                else "—"
-            )
+            paired = "—"
+            if difference:  # over queries, then with the draw of subsets' part (common.subset_standard_error)
+                both = float(np.hypot(difference[1], target.get("minus_bm25_subset_standard_error", 0.0)))
+                paired = f"{difference[0]:+.3f} ± {difference[1]:.3f}; ± {both:.3f}: {difference[0] / both:+.1f} SE"
             shares = [(found[r["set"]]["lds"] / best_reference(r)["lds"], r["set"]) for r in counted if found[r["set"]]]
             worst = "{:.2f} ({})".format(*min(shares)) if shares else "—"
             missing = ", ".join(r["set"] for r in counted if not found[r["set"]])
@@ -515,6 +546,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="CASE:ESTIMATOR rows for --report's per-set table",
     )
     parser.add_argument("--report", action="store_true", help="print the tables of every result in --results")
+    parser.add_argument("--minus", metavar="CASE:ESTIMATOR", help="--report: --defaults rows also minus this, paired")
     parser.add_argument(
         "--by-modules", metavar="SET",
         help="--report: only the table of SHOWN estimators for each --modules measured, minus BM25 on SET",
@@ -534,7 +566,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"#### Worst set\n\n{worst_set_table(results)}")
         for key in args.defaults:
             case, name = key.split(":", 1)  # a --modules name holds ":" too
-            print(f"#### {case}, {name} on every set\n\n{against_bm25(results, (case, name))}")
+            minus = tuple(args.minus.split(":", 1)) if args.minus else None
+            print(f"#### {case}, {name} on every set\n\n{against_bm25(results, (case, name), minus)}")
         if args.above_bm25:
             for result in results:
                 print(f"#### Furthest above BM25\n\n{above_bm25(result, args.above_bm25)}")
@@ -604,6 +637,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return total
 
     entries = []
+    lexical = bm25(train, queries)
     cases = CASES + (("all", "all qn", "all cos") if args.epochs_between else ())
     computed = [name for name in estimators() if name in per_checkpoint["ft"]]  # inner only where factored
     for case in cases:
@@ -611,10 +645,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             scores = combined(name, case)
             entry = {"estimator": name, "case": case, **lds_figures(scores, subsets, outputs)}
             entry["per_query"] = per_query(scores, subsets, outputs)
+            if np.any(lexical):  # the draw of subsets' share of the error of "minus BM25" (common.py)
+                entry["minus_bm25_subset_standard_error"] = subset_standard_error(scores, subsets, outputs, lexical)
             if sources:
                 entry.update(retrieval(scores, sources))
             entries.append(entry)
-    lexical = bm25(train, queries)
     entries.append(
         {
             "estimator": "BM25",
