@@ -198,12 +198,12 @@ def factored_inner(model, tokenizer, train, queries, spec: Dict, modules, group_
 
 
 def scores_at(
-    model, tokenizer, train, queries, spec: Dict, group_layers: int, dtype, choice: str = "mlp"
+    model, tokenizer, train, queries, spec: Dict, group_layers: int, dtype, choice: str = "mlp", max_side=None
 ) -> Dict[str, np.ndarray]:
     """Every estimator's [Q, N] scores at one model (module docstring), over `--modules choice`."""
     model.eval()
     modules = selected_modules(model, choice)
-    if max(max(m.in_features, m.out_features) for m in modules.values()) > KFAC_MAX_SIDE:
+    if max(max(m.in_features, m.out_features) for m in modules.values()) > (max_side or KFAC_MAX_SIDE):
         return factored_inner(model, tokenizer, train, queries, spec, modules, group_layers, dtype)
     length, size = spec["max_seq_length"], 8
     # Pass 1, every module: A and G sums, positions, examples, Σ_n ‖G_n‖² (the EK-FAC eigenvalues' total).
@@ -450,6 +450,7 @@ SHOWN = (
     ("base+ft", "kfac d=0.1"),
     ("base+ft cos", "kfac d=0.1"),
     ("base+ft", "ekfac d=0.1"),
+    ("ft", "kfac unroll h=1"),
     ("base+ft cos", "kfac unroll h=1"),
     ("base+ft cos", "kfac unroll h=30"),
 )
@@ -461,7 +462,10 @@ def modules_table(results: List[Dict], against: str, shown: Sequence[tuple] = SH
     worst share of each set's best reference (MLP) over the sets with a raw noise ceiling where the
     pair was measured (those where it was not are named)."""
     order = list(MODULES) + list(PER_FAMILY)
-    present = sorted({e.get("modules", "mlp") for r in results for e in r["entries"]}, key=order.index)
+    present = sorted(
+        {e.get("modules", "mlp") for r in results for e in r["entries"]},
+        key=lambda m: (order.index(m.split(" ")[0]), m),  # "mlp|head side128" after "mlp|head"
+    )
     counted = [r for r in results if raw_ceiling_above_zero(r) and has_reference(r)]
     head = "| modules | case | estimator | " + " | ".join(r["set"] for r in results)
     lines = [
@@ -532,6 +536,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )  # fmt: skip
     parser.add_argument("--group-layers", type=int, default=64, help="layers whose rows' gradients are held at once")
     parser.add_argument("--float64", action="store_true", help="float64 arithmetic (the tiny sets)")
+    parser.add_argument(
+        "--kfac-max-side", type=int, default=KFAC_MAX_SIDE,
+        help="a selection holding a module with a larger side gets the inner product only (128 on the "
+        "tiny sets: the head without factors, as a real vocabulary's must be)",
+    )  # fmt: skip
     parser.add_argument(
         "--scores-only", action="store_true", help="make and keep the scores; no LDS (subsets may still train)"
     )
@@ -606,10 +615,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for part in args.modules.split("|"):  # "mlp|head": each part scored (and cached) on its own
             # The scores do not depend on the retrained subsets: kept, so they can be made while those train.
             selection = "" if part == "mlp" else f"{part}-"  # the MLP's caches keep their names
+            if args.kfac_max_side != KFAC_MAX_SIDE:
+                selection += f"side{args.kfac_max_side}-"
             cache = work / f"estimator-scores-{selection}{label}-{str(dtype).split('.')[-1]}.pt"
             if not cache.is_file():
                 model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={path}"]).model)
-                made = scores_at(model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype, part)
+                made = scores_at(
+                    model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype, part, args.kfac_max_side
+                )
                 torch.save(made, cache)
                 print(f"{args.name}: {label} ({part}) scored at {time.perf_counter() - started:.0f} s", flush=True)
             parts.append(torch.load(cache, weights_only=False))
@@ -664,7 +677,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ceiling = noise_ceiling(runs.losses())
     out = {
         "set": args.name,
-        "modules": args.modules,
+        # a smaller --kfac-max-side is another estimator: named apart in merged reports
+        "modules": args.modules + (f" side{args.kfac_max_side}" if args.kfac_max_side != KFAC_MAX_SIDE else ""),
         "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": len(train),
