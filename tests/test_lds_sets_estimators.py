@@ -127,3 +127,29 @@ def test_per_family_adds_a_part_without_factors_as_its_plain_cosine():
     cos = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ (n / np.linalg.norm(n, axis=1, keepdims=True)).T
     np.testing.assert_allclose(scores["inner"], 2 * cos, rtol=1e-12)
     np.testing.assert_allclose(scores["kfac d=0.1"], 2 * cos, rtol=1e-12)  # 2qn / √(4q²n²) + the plain cosine
+
+
+def test_results_of_several_modules_merge_by_set_with_bm25_once_and_the_mlps_reference():
+    def entry(name, lds, case="base+ft"):
+        return {"estimator": name, "case": case, "lds": lds}
+
+    head_only = {"set": "b", "modules": "head", "entries": [entry("inner", 0.5), entry("BM25", 0.4, "words")]}
+    results = [
+        {"set": "a", "modules": "head", "entries": [entry("inner", 0.9), entry("BM25", 0.3, "words")]},
+        {"set": "a", "entries": [entry("inner", 0.2), entry("BM25", 0.3, "words")]},  # before --modules: the MLP's
+        head_only,
+    ]
+    merged = {r["set"]: r for r in est.merged_by_set(results)}
+    names = [e["estimator"] for e in merged["a"]["entries"]]
+    assert names == ["inner", "BM25", "head: inner"]
+    assert est.best_reference(merged["a"])["lds"] == 0.2  # the head's 0.9 is no reference
+    assert [e["estimator"] for e in merged["b"]["entries"]] == ["head: inner", "BM25"]
+    assert not est.has_reference(merged["b"])
+
+
+def test_a_smaller_kfac_max_side_scores_the_head_by_inner_product_alone(setup):
+    model, tokenizer = setup  # the head's side (vocab 74) over 20: no factors
+    factored, _, _ = est.scores_at(model, tokenizer, TRAIN, QUERIES, SPEC, 64, torch.float64, "head", max_side=20)
+    rotated, _, _ = est.scores_at(model, tokenizer, TRAIN, QUERIES, SPEC, 64, torch.float64, "head")
+    assert list(factored) == ["inner"] and "kfac d=0.1" in rotated
+    np.testing.assert_allclose(factored["inner"], rotated["inner"], rtol=1e-9)
