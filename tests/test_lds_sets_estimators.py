@@ -153,3 +153,26 @@ def test_a_smaller_kfac_max_side_scores_the_head_by_inner_product_alone(setup):
     rotated, _, _ = est.scores_at(model, tokenizer, TRAIN, QUERIES, SPEC, 64, torch.float64, "head")
     assert list(factored) == ["inner"] and "kfac d=0.1" in rotated
     np.testing.assert_allclose(factored["inner"], rotated["inner"], rtol=1e-9)
+
+
+def test_a_diagonal_g_keeps_the_heads_output_side_in_the_vocabulary_basis(setup):
+    model, tokenizer = setup
+    scores, _, _ = est.scores_at(model, tokenizer, TRAIN, QUERIES, SPEC, 64, torch.float64, "head", diagonal_g_above=20)
+    g_train = dense_grads(model, tokenizer, TRAIN, ["lm_head"]).view(len(TRAIN), *model.lm_head.weight.shape)
+    g_query = dense_grads(model, tokenizer, QUERIES, ["lm_head"]).view(len(QUERIES), *model.lm_head.weight.shape)
+    # G's diagonal is the mean over rows of Σ_t δ_t²; A as in the K-FAC test (final hidden states)
+    a, positions, g_diag = 0, 0, 0
+    for item in JsonlDataset(TRAIN, tokenizer, SPEC["max_seq_length"]):
+        labels = torch.as_tensor(item.labels)
+        h = model.model(input_ids=torch.as_tensor(item.input_ids)[None]).last_hidden_state[0].detach()
+        supervised = torch.nonzero(labels[1:] != -100).flatten()
+        delta = torch.softmax(h[supervised] @ model.lm_head.weight.detach().T, -1)
+        delta[torch.arange(len(supervised)), labels[1:][supervised]] -= 1
+        g_diag = g_diag + delta.square().sum(0)
+        carried = h[: int(supervised.max()) + 1]
+        a, positions = a + carried.T @ carried, positions + len(carried)
+    lam_a, q_a = torch.linalg.eigh(a / positions)
+    e = torch.outer(g_diag / len(TRAIN), lam_a.clamp_min(0))
+    w = 1 / (e + 0.1 * e.mean())
+    expected = torch.einsum("qoi,oi,noi->qn", g_query @ q_a, w, g_train @ q_a)
+    np.testing.assert_allclose(scores["kfac d=0.1"], expected.numpy(), rtol=LOSS)

@@ -198,9 +198,20 @@ def factored_inner(model, tokenizer, train, queries, spec: Dict, modules, group_
 
 
 def scores_at(
-    model, tokenizer, train, queries, spec: Dict, group_layers: int, dtype, choice: str = "mlp", max_side=None
+    model,
+    tokenizer,
+    train,
+    queries,
+    spec: Dict,
+    group_layers: int,
+    dtype,
+    choice: str = "mlp",
+    max_side=None,
+    diagonal_g_above=None,
 ) -> Dict[str, np.ndarray]:
-    """Every estimator's [Q, N] scores at one model (module docstring), over `--modules choice`."""
+    """Every estimator's [Q, N] scores at one model (module docstring), over `--modules choice`; a
+    module with more outputs than `diagonal_g_above` keeps only the diagonal of its G factor (the
+    identity as its output basis: a factor any vocabulary can afford for the head)."""
     model.eval()
     modules = selected_modules(model, choice)
     if max(max(m.in_features, m.out_features) for m in modules.values()) > (max_side or KFAC_MAX_SIDE):
@@ -223,6 +234,9 @@ def scores_at(
     for n in modules:
         lam_a, q_a = torch.linalg.eigh(a_sum[n].double() / positions)
         lam_g, q_g = torch.linalg.eigh(g_sum[n].double() / examples)
+        if diagonal_g_above is not None and modules[n].out_features > diagonal_g_above:
+            lam_g = torch.diagonal(g_sum[n].double() / examples).clone()
+            q_g = torch.eye(len(lam_g), dtype=torch.float64)
         bases[n] = (q_a.to(dtype), lam_a.clamp_min(0).to(dtype), q_g.to(dtype), lam_g.clamp_min(0).to(dtype))
     del a_sum, g_sum
     count = sum(m.weight.numel() for m in modules.values())
@@ -537,6 +551,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--group-layers", type=int, default=64, help="layers whose rows' gradients are held at once")
     parser.add_argument("--float64", action="store_true", help="float64 arithmetic (the tiny sets)")
     parser.add_argument(
+        "--diagonal-g-above", type=int, metavar="N",
+        help="modules with more outputs than N keep only the diagonal of their G factor (128 on the tiny sets: the head)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kfac-max-side", type=int, default=KFAC_MAX_SIDE,
         help="a selection holding a module with a larger side gets the inner product only (128 on the "
         "tiny sets: the head without factors, as a real vocabulary's must be)",
@@ -617,11 +635,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             selection = "" if part == "mlp" else f"{part}-"  # the MLP's caches keep their names
             if args.kfac_max_side != KFAC_MAX_SIDE:
                 selection += f"side{args.kfac_max_side}-"
+            if args.diagonal_g_above is not None:
+                selection += f"diag{args.diagonal_g_above}-"
             cache = work / f"estimator-scores-{selection}{label}-{str(dtype).split('.')[-1]}.pt"
             if not cache.is_file():
                 model, tokenizer = load_model_and_tokenizer(load_config(None, [f"model.name_or_path={path}"]).model)
                 made = scores_at(
-                    model.to(dtype), tokenizer, train, queries, spec, args.group_layers, dtype, part, args.kfac_max_side
+                    model.to(dtype),
+                    tokenizer,
+                    train,
+                    queries,
+                    spec,
+                    args.group_layers,
+                    dtype,
+                    part,
+                    args.kfac_max_side,
+                    args.diagonal_g_above,
                 )
                 torch.save(made, cache)
                 print(f"{args.name}: {label} ({part}) scored at {time.perf_counter() - started:.0f} s", flush=True)
@@ -678,7 +707,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = {
         "set": args.name,
         # a smaller --kfac-max-side is another estimator: named apart in merged reports
-        "modules": args.modules + (f" side{args.kfac_max_side}" if args.kfac_max_side != KFAC_MAX_SIDE else ""),
+        "modules": args.modules
+        + (f" side{args.kfac_max_side}" if args.kfac_max_side != KFAC_MAX_SIDE else "")
+        + (f" diagG{args.diagonal_g_above}" if args.diagonal_g_above is not None else ""),
         "command": "PYTHONPATH=. python -m benchmarks.studies.lds_sets.estimators "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "rows": len(train),
