@@ -176,3 +176,18 @@ def test_a_diagonal_g_keeps_the_heads_output_side_in_the_vocabulary_basis(setup)
     w = 1 / (e + 0.1 * e.mean())
     expected = torch.einsum("qoi,oi,noi->qn", g_query @ q_a, w, g_train @ q_a)
     np.testing.assert_allclose(scores["kfac d=0.1"], expected.numpy(), rtol=LOSS)
+
+
+def test_a_head_too_wide_to_hold_is_scored_in_blocks_as_the_rotated_diagonal_g_head(setup):
+    model, tokenizer = setup
+    rotated, rotated_norms, _ = est.scores_at(
+        model, tokenizer, TRAIN, QUERIES, SPEC, 64, torch.float64, "head", diagonal_g_above=20
+    )
+    blocks, norms, _ = est.scores_at(
+        model, tokenizer, TRAIN, QUERIES, SPEC, 64, torch.float64, "head", max_side=20, diagonal_g_above=20
+    )
+    assert list(blocks) == list(rotated) == est.estimators()
+    for name in rotated:
+        np.testing.assert_allclose(blocks[name], rotated[name], rtol=1e-8, atol=1e-12, err_msg=name)
+        for side in (0, 1):
+            np.testing.assert_allclose(norms[name][side], rotated_norms[name][side], rtol=1e-8, err_msg=name)

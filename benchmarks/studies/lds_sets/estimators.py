@@ -197,6 +197,76 @@ def factored_inner(model, tokenizer, train, queries, spec: Dict, modules, group_
     return {"inner": scores.numpy()}, {"inner": (q_norm.numpy(), n_norm.numpy())}, {}
 
 
+def weighted_products(tr, qu, eig: Dict, damp: Dict, mean_e: Dict, dtype):
+    """Every estimator's weights w over one module's rotated gradients (or a block of their
+    entries: train `tr` [N, D], queries `qu` [Q, D], eigenvalues `eig` {kind: [D]}; `damp` the
+    module's mean eigenvalue, the damping's unit), and (keys, [E, Q, N] products Σ w g_q g_n,
+    [Q, E] and [N, E] squared norms in each metric)."""
+    weights = {"inner": torch.ones_like(eig["kfac"])}
+    for kind, e in eig.items():
+        for d in DAMPINGS:
+            weights[f"{kind} d={d:g}"] = 1 / (e + d * damp[kind])
+        scaled = e / mean_e[kind]
+        for h in HORIZONS:
+            w = -torch.expm1(-h * scaled) / scaled.clamp_min(torch.finfo(dtype).tiny)
+            weights[f"{kind} unroll h={h:g}"] = torch.where(scaled > 0, w, torch.full_like(w, h))
+    keys = list(weights)
+    stacked = torch.stack([qu * weights[k] for k in keys])  # [E, Q, D]
+    block = (stacked.flatten(0, 1) @ tr.T).view(len(keys), qu.shape[0], tr.shape[0])
+    metric = torch.stack([weights[k] for k in keys]).T  # [D, E]
+    return keys, block, qu.square() @ metric, tr.square() @ metric  # [Q, E], [N, E]
+
+
+def accumulate(out: Dict, q_norm: Dict, n_norm: Dict, keys, block, q_squared, n_squared) -> None:
+    """Add one module's (or block's) weighted_products to the running scores and squared norms."""
+    for i, (k, s) in enumerate(zip(keys, block)):
+        out[k] = out[k] + s.double()
+        q_norm[k] = q_norm.get(k, 0) + q_squared[:, i].double()
+        n_norm[k] = n_norm.get(k, 0) + n_squared[:, i].double()
+
+
+def diagonal_head_scores(model, tokenizer, train, queries, spec: Dict, name: str, dtype, chunk: int = 256):
+    """Every estimator over one module whose G factor is kept as its diagonal (the output basis the
+    identity), for a module too wide to hold every row's gradient (SmolLM2's head: 49,152 × 576 a
+    row): each row's live tokens (δ ≠ 0) are kept, and its rotated gradient Σ_t δ_t[c] ⊗ x̃_t is
+    made `chunk` output rows c at a time for every row; estimators are sums over entries, so the
+    blocks add. A is over the positions `carrying` keeps, as in scores_at."""
+    module = {name: dict(model.named_modules())[name]}
+    length, size = spec["max_seq_length"], 8
+    a_sum, g_diag, norm_sum, positions, examples = 0, 0, 0.0, 0, 0
+    live = {"train": [], "query": []}  # per row: (x [T, in], δ [T, out]) at its tokens with δ ≠ 0
+    for rows, label in ((train, "train"), (queries, "query")):
+        for batch in batches(rows, tokenizer, length, size):
+            x, g = token_grads(model, module, batch, dtype)[name]
+            if label == "train":
+                positions += int(carrying(batch).sum())
+                examples += int((batch["labels"][:, 1:] != -100).any(1).sum())
+                a_sum = a_sum + torch.einsum("bti,btj->ij", x, x)
+                g_diag = g_diag + g.square().sum((0, 1))
+            for b in range(x.shape[0]):
+                keep = g[b].abs().amax(dim=1) > 0
+                live[label].append((x[b, keep], g[b, keep]))
+                if label == "train":
+                    norm_sum += float(((g[b, keep] @ g[b, keep].T) * (x[b, keep] @ x[b, keep].T)).sum())
+    lam_a, q_a = torch.linalg.eigh(a_sum.double() / positions)
+    lam_a, q_a, lam_g = lam_a.clamp_min(0).to(dtype), q_a.to(dtype), (g_diag.double() / examples).to(dtype)
+    count = module[name].weight.numel()
+    mean_e = {"kfac": float(lam_g.sum() * lam_a.sum()) / count, "ekfac": norm_sum / examples / count}
+    live = {label: [(x @ q_a, g) for x, g in rows] for label, rows in live.items()}
+    out = {e: 0.0 for e in estimators()}
+    q_norm: Dict[str, torch.Tensor] = {}
+    n_norm: Dict[str, torch.Tensor] = {}
+    for lo in range(0, len(lam_g), chunk):
+        block = slice(lo, lo + chunk)
+        tr = torch.stack([(g[:, block].T @ x).flatten() for x, g in live["train"]])  # [N, chunk · in]
+        qu = torch.stack([(g[:, block].T @ x).flatten() for x, g in live["query"]])
+        eig = {"kfac": torch.outer(lam_g[block], lam_a).flatten(), "ekfac": tr.square().sum(0) / examples}
+        accumulate(out, q_norm, n_norm, *weighted_products(tr, qu, eig, mean_e, mean_e, dtype))
+        del tr, qu
+    norms = {k: (q_norm[k].numpy(), n_norm[k].numpy()) for k in out}
+    return {k: v.numpy() for k, v in out.items()}, norms, mean_e
+
+
 def scores_at(
     model,
     tokenizer,
@@ -210,10 +280,13 @@ def scores_at(
     diagonal_g_above=None,
 ) -> Dict[str, np.ndarray]:
     """Every estimator's [Q, N] scores at one model (module docstring), over `--modules choice`; a
-    module with more outputs than `diagonal_g_above` keeps only the diagonal of its G factor (the
-    identity as its output basis: a factor any vocabulary can afford for the head)."""
+    head (lm_head) with more outputs than `diagonal_g_above` keeps only the diagonal of its G factor
+    (the identity as its output basis): a factor any vocabulary can afford."""
     model.eval()
     modules = selected_modules(model, choice)
+    wide = diagonal_g_above is not None and max_side is not None and choice == "head"
+    if wide and modules["lm_head"].out_features > max(diagonal_g_above, max_side):  # too wide to hold: in blocks
+        return diagonal_head_scores(model, tokenizer, train, queries, spec, "lm_head", dtype)
     if max(max(m.in_features, m.out_features) for m in modules.values()) > (max_side or KFAC_MAX_SIDE):
         return factored_inner(model, tokenizer, train, queries, spec, modules, group_layers, dtype)
     length, size = spec["max_seq_length"], 8
@@ -234,7 +307,7 @@ def scores_at(
     for n in modules:
         lam_a, q_a = torch.linalg.eigh(a_sum[n].double() / positions)
         lam_g, q_g = torch.linalg.eigh(g_sum[n].double() / examples)
-        if diagonal_g_above is not None and modules[n].out_features > diagonal_g_above:
+        if diagonal_g_above is not None and n.endswith("lm_head") and modules[n].out_features > diagonal_g_above:
             lam_g = torch.diagonal(g_sum[n].double() / examples).clone()
             q_g = torch.eye(len(lam_g), dtype=torch.float64)
         bases[n] = (q_a.to(dtype), lam_a.clamp_min(0).to(dtype), q_g.to(dtype), lam_g.clamp_min(0).to(dtype))
@@ -261,24 +334,9 @@ def scores_at(
             rotated[n] = []
             _, lam_a, _, lam_g = bases[n]
             eig = {"kfac": torch.outer(lam_g, lam_a).flatten(), "ekfac": tr.square().sum(0) / examples}
-            weights = {"inner": torch.ones_like(eig["kfac"])}
-            for kind, e in eig.items():
-                for d in DAMPINGS:
-                    weights[f"{kind} d={d:g}"] = 1 / (e + d * e.mean())
-                scaled = e / mean_e[kind]
-                for h in HORIZONS:
-                    w = -torch.expm1(-h * scaled) / scaled.clamp_min(torch.finfo(dtype).tiny)
-                    weights[f"{kind} unroll h={h:g}"] = torch.where(scaled > 0, w, torch.full_like(w, h))
-            keys = list(weights)
-            stacked = torch.stack([qu * weights[k] for k in keys])  # [E, Q, D]
-            block = (stacked.flatten(0, 1) @ tr.T).view(len(keys), qu.shape[0], tr.shape[0])
-            metric = torch.stack([weights[k] for k in keys]).T  # [D, E]
-            q_squared, n_squared = qu.square() @ metric, tr.square() @ metric  # [Q, E], [N, E]
-            for i, (k, s) in enumerate(zip(keys, block)):
-                out[k] = out[k] + s.double()
-                q_norm[k] = q_norm.get(k, 0) + q_squared[:, i].double()
-                n_norm[k] = n_norm.get(k, 0) + n_squared[:, i].double()
-            del tr, qu, stacked, block, metric
+            damp = {kind: e.mean() for kind, e in eig.items()}
+            accumulate(out, q_norm, n_norm, *weighted_products(tr, qu, eig, damp, mean_e, dtype))
+            del tr, qu
     # Each estimator's squared norms in its own metric w: ‖g_q‖²_w [Q] and ‖g_n‖²_w [N].
     norms = {k: (q_norm[k].numpy(), n_norm[k].numpy()) for k in out}
     return {k: v.numpy() for k, v in out.items()}, norms, mean_e
@@ -552,7 +610,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--float64", action="store_true", help="float64 arithmetic (the tiny sets)")
     parser.add_argument(
         "--diagonal-g-above", type=int, metavar="N",
-        help="modules with more outputs than N keep only the diagonal of their G factor (128 on the tiny sets: the head)",
+        help="the head, where it has more outputs than N, keeps only the diagonal of its G factor (any vocabulary affords it)",
     )  # fmt: skip
     parser.add_argument(
         "--kfac-max-side", type=int, default=KFAC_MAX_SIDE,
@@ -635,7 +693,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             selection = "" if part == "mlp" else f"{part}-"  # the MLP's caches keep their names
             if args.kfac_max_side != KFAC_MAX_SIDE:
                 selection += f"side{args.kfac_max_side}-"
-            if args.diagonal_g_above is not None:
+            if args.diagonal_g_above is not None and "head" in part:  # the head's factor alone changes
                 selection += f"diag{args.diagonal_g_above}-"
             cache = work / f"estimator-scores-{selection}{label}-{str(dtype).split('.')[-1]}.pt"
             if not cache.is_file():
