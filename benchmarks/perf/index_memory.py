@@ -5,7 +5,7 @@ quickstart train rows, with probes wrapped around the recipe's steps that read, 
 process's RSS (VmRSS), its peak so far (VmHWM) and glibc's live heap (`mallinfo2`: bytes allocated
 and not yet freed, mapped chunks included):
   - imports:       gradian, torch, Lightning and transformers imported, nothing read;
-  - data opened:   `open_rows` done (the `datasets` import, the JSON -> arrow read, the checks);
+  - data opened:   `open_rows` done (a `.jsonl` file read by gradian, any other by `datasets`; the checks);
   - model loaded:  `from_pretrained` done (safetensors weights are memory-mapped: not yet read);
   - first batch:   before the first `IndexSession.compute` (the weights read, in part, by the digest);
   - batch N:       after each batch's rows are computed and written;
