@@ -88,15 +88,21 @@ def test_precondition_equals_dense_float64(tmp_path, how):
     assert np.abs(all_scores(index, queries, precondition="none") - modcos).max() > 0.05
 
 
-def test_fisher_inner_is_the_damped_inverse_second_moment(tmp_path):
-    train, queries = random_rows(N, 2), random_rows(3, 3)
-    index = make_index(tmp_path / "ix", train)
+def fisher_inner_reference(train, queries, damping):
+    """numpy float64: Σ over modules of q_m (F_m + damping·tr(F_m)/S·I)⁻¹ t_mᵀ, F_m the mean second moment."""
     t, q = train.double().numpy(), queries.double().numpy()
     expected = 0
     for b in MODULES:
         tb, qb = t[:, b["offset"] : b["offset"] + S], q[:, b["offset"] : b["offset"] + S]
         f = tb.T @ tb / N
-        expected = expected + qb @ np.linalg.solve(f + 0.5 * np.trace(f) / S * np.eye(S), tb.T)
+        expected = expected + qb @ np.linalg.solve(f + damping * np.trace(f) / S * np.eye(S), tb.T)
+    return expected
+
+
+def test_fisher_inner_is_the_damped_inverse_second_moment(tmp_path):
+    train, queries = random_rows(N, 2), random_rows(3, 3)
+    index = make_index(tmp_path / "ix", train)
+    expected = fisher_inner_reference(train, queries, 0.5)
     got = all_scores(index, queries, score="inner", precondition="fisher", damping=0.5)
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-4 * np.abs(expected).max())
 
@@ -304,12 +310,7 @@ def test_fisher_factors_are_made_once_per_index_state_and_never_stale(tmp_path, 
     index = make_index(tmp_path / "ix", other, overwrite=True)
     got = all_scores(index, queries, score="inner", precondition="fisher", damping=0.5)
     assert len(made) == 9
-    t, q = other.double().numpy(), queries.double().numpy()
-    expected = 0
-    for b in MODULES:
-        tb, qb = t[:, b["offset"] : b["offset"] + S], q[:, b["offset"] : b["offset"] + S]
-        f = tb.T @ tb / N
-        expected = expected + qb @ np.linalg.solve(f + 0.5 * np.trace(f) / S * np.eye(S), tb.T)
+    expected = fisher_inner_reference(other, queries, 0.5)
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-4 * np.abs(expected).max())
 
 
