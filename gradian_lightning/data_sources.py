@@ -198,8 +198,9 @@ class JsonlRows:
     """The rows of a plain `.jsonl` file: `rows[i]` is the JSON object on its i-th non-blank line.
 
     Why not `datasets` for the format the docs teach: importing it (with pyarrow and pandas) costs
-    a command 80 MiB of RSS and 1.3 s of CPU, as much as a small index's whole capture may spend
-    over a plain training step's (benchmarks/RESULTS.md §1b), and a JSONL file needs no arrow table.
+    a command 80 MiB of RSS and 1.3 s of CPU (a small SmolLM2 index's whole process peaked at 0.67×
+    a plain training process's with it, 0.64× without: benchmarks/RESULTS.md §1b), and a JSONL file
+    needs no arrow table.
     One pass at opening parses every line (a malformed one is an error naming it), keeps each row's
     byte offset (8 bytes a row) and, per column, the first row holding each kind of value
     (`kinds`), which `check_columns` reads as it reads a `datasets` schema. A row is then one seek
