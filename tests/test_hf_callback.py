@@ -419,6 +419,9 @@ def _ddp_rank(rank, world, port, tmp_path, tokenizer, dataset, errors):
         trainer = train(tmp_path, tokenizer, dataset, [indexer, SaveWeights(tmp_path)], ddp_backend="gloo")
         assert trainer.args.world_size == world and trainer.args.process_index == rank
         torch.distributed.barrier()
+        # A rank that leaves with its gloo group alive can abort at exit ("terminate called without an
+        # active exception", exit -6) while the group's threads are torn down: close it as torchrun users do.
+        torch.distributed.destroy_process_group()
     except BaseException as err:  # the parent reports it
         (errors / f"rank{rank}.txt").write_text(repr(err))
         raise
