@@ -207,3 +207,76 @@ def test_cosine_with_factors_is_the_cosine_in_the_preconditioners_metric(tokeniz
     scores = exact.score_all(batches(tokenizer), len(ROWS))
     torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-9)
     assert scores.abs().max() <= 1 + 1e-9
+
+
+def dense_part_cosines(model, tokenizer, factors, parts, horizon):
+    """Σ_parts ⟨g_q, f_p(H) g_n⟩ / (‖g_q‖_f ‖g_n‖_f) over each part's modules, f_p the unrolling of
+    horizon h with Ē_p the mean eigenvalue of that part's dense H alone: a K-FAC H = G ⊗ A with G
+    the diagonal factor's diag(λ_G) for the head (its basis the identity)."""
+    modules = {n: m for n, m in model.named_modules() if any(n in p for p in parts)}
+    queries = per_example_gradients(model, query_batch(tokenizer), modules)
+    train = [per_example_gradients(model, b, modules) for b in batches(tokenizer)]
+    total = 0
+    for part in parts:
+        decomposed = {}
+        for name in part:
+            q_a, lam_a, q_g, lam_g = factors.bases[name]
+            g = torch.diag(lam_g) if q_g.numel() == 0 else q_g @ torch.diag(lam_g) @ q_g.T
+            decomposed[name] = torch.linalg.eigh(torch.kron(g, q_a @ torch.diag(lam_a) @ q_a.T))
+        mean = torch.cat([w.clamp_min(0) for w, _ in decomposed.values()]).mean()
+        score, q_norm, n_norm = 0, 0, 0
+        for name in part:
+            w, v = decomposed[name]
+            w = w.clamp_min(0)
+            f = torch.where(w > 0, mean * -torch.expm1(-horizon * w / mean) / w.clamp_min(1e-300), horizon)
+            gq, gn = queries[name].flatten(1) @ v, torch.cat([t[name] for t in train]).flatten(1) @ v
+            score = score + (gq * f) @ gn.T
+            q_norm, n_norm = q_norm + (gq.square() * f).sum(1), n_norm + (gn.square() * f).sum(1)
+        total = total + score / torch.outer(q_norm.sqrt(), n_norm.sqrt())
+    return total
+
+
+@pytest.mark.parametrize("order", ["tokens", "examples"])
+def test_the_head_as_a_second_part_equals_the_dense_per_part_cosines(tokenizer, order):
+    """query.precondition=auto's estimator: the layers and the output head (G diagonal) each a
+    cosine in its own unrolled K-FAC metric, summed; against dense Kronecker products."""
+    model = tiny(tokenizer)
+    layers = list(select_modules(model, SPEC.module_filter))
+    modules = {**select_modules(model, SPEC.module_filter), "lm_head": model.lm_head}
+    parts = [layers, ["lm_head"]]
+    factors = fit_factors(
+        model, SPEC, batches(tokenizer), ekfac=False, modules=modules, dtype=torch.float64, diagonal_g={"lm_head"}
+    )
+    expected = dense_part_cosines(model, tokenizer, factors, parts, horizon=30.0)
+    exact = ExactPass(
+        model,
+        SPEC,
+        query_batch(tokenizer),
+        factors,
+        horizon=30.0,
+        cosine=True,
+        order=order,
+        modules=modules,
+        parts=parts,
+        dtype=torch.float64,
+    )
+    scores = exact.score_all(batches(tokenizer), len(ROWS))
+    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
+    assert scores.abs().max() <= 2 + 1e-9  # two cosines
+    # One part of every module is the whole-row cosine, with Ē over every module.
+    whole = ExactPass(
+        model,
+        SPEC,
+        query_batch(tokenizer),
+        factors,
+        horizon=30.0,
+        cosine=True,
+        order=order,
+        modules=modules,
+        dtype=torch.float64,
+    ).score_all(batches(tokenizer), len(ROWS))
+    torch.testing.assert_close(
+        whole, dense_part_cosines(model, tokenizer, factors, [layers + ["lm_head"]], 30.0), rtol=1e-6, atol=1e-6
+    )
+    with pytest.raises(GradianError, match="into parts"):
+        ExactPass(model, SPEC, query_batch(tokenizer), factors, horizon=30.0, modules=modules, parts=[layers])

@@ -97,6 +97,35 @@ def test_covariances_equal_their_definitions(tokenizer):
     assert int(total.tensors["examples"]) == examples == len(ROWS)
 
 
+def test_a_diagonal_g_is_the_diagonal_of_g_with_the_identity_as_its_basis(tokenizer):
+    """The output head fitted with a diagonal G: Σ δ² per output, its eigenvalues that diagonal over
+    the examples, EK-FAC's Λ the per-example gradients' squares in (I, Q_A); A as without it."""
+    model = tiny(tokenizer)
+    modules = {**select_modules(model, SPEC.module_filter), "lm_head": model.lm_head}
+    parts = batches(tokenizer)
+    fit = FactorFit(model, SPEC, modules=modules, dtype=torch.float64, diagonal_g={"lm_head"})
+    total = sum((fit.covariances(b) for b in parts[1:]), fit.covariances(parts[0]))
+    assert "lm_head/G" not in total.tensors
+    assert [k for k in total.tensors if k.endswith("/G_diagonal")] == ["lm_head/G_diagonal"]
+    g = 0
+    for batch in parts:
+        _, grads = inputs_and_output_grads(model, batch, {"lm_head": model.lm_head})
+        d = grads["lm_head"].reshape(-1, model.lm_head.out_features)
+        g = g + d.square().sum(0)  # positions the head never ran at add nothing either way
+    torch.testing.assert_close(total.tensors["lm_head/G_diagonal"], g, rtol=1e-10, atol=1e-14)
+    factors = fit_factors(model, SPEC, parts, ekfac=True, modules=modules, dtype=torch.float64, diagonal_g={"lm_head"})
+    full = fit_factors(model, SPEC, parts, ekfac=False, modules=modules, dtype=torch.float64)
+    q_a, lam_a, q_g, lam_g = factors.bases["lm_head"]
+    assert q_g.numel() == 0
+    torch.testing.assert_close(lam_g, g / len(ROWS), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(q_a.abs(), full.bases["lm_head"][0].abs(), rtol=1e-6, atol=1e-8)  # A's basis unchanged
+    rotated = torch.cat([per_example_gradients(model, b, {"lm_head": model.lm_head})["lm_head"] @ q_a for b in parts])
+    torch.testing.assert_close(factors.eigenvalues["lm_head"], rotated.square().mean(0), rtol=1e-9, atol=1e-14)
+    # The other modules' factors are those of a fit without the diagonal head.
+    for name in select_modules(model, SPEC.module_filter):
+        torch.testing.assert_close(factors.bases[name][3], full.bases[name][3], rtol=1e-9, atol=1e-14)
+
+
 def test_ekfac_eigenvalues_equal_the_per_example_computation(tokenizer):
     model = tiny(tokenizer)
     modules = select_modules(model, SPEC.module_filter)

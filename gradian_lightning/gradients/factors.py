@@ -11,6 +11,12 @@ approximated by
 
 with A = Q_A diag(λ_A) Q_Aᵀ and G = Q_G diag(λ_G) Q_Gᵀ. K-FAC's eigenvalues are then λ_G[o] λ_A[i].
 
+A module fitted with a *diagonal* G (`diagonal_g`: the output head, whose vocab × vocab G would be
+9.7 GB in float32 at SmolLM2's 49,152 words) keeps λ_G = diag(G) and the identity as Q_G, stored
+as an empty tensor (`in_output_basis`): G's off-diagonal, the words' co-occurrence in one softmax, is
+dropped, and the per-word second moment E[Σ_t δ_t²] stays, an IDF learnt from the softmax
+(benchmarks/studies/lds_sets/README.md, "the output head's gradient against BM25").
+
 Decisions (the issue left them open):
   - Positions: A and G sum over the *gradient-carrying* positions of each row, the attended
     positions at or before its last supervised position (`carrying_positions`). Later positions
@@ -32,7 +38,7 @@ that add (`a + b`): batches, and ranks (an all-reduce of `.tensors`), sum into o
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Dict, Iterable, Optional
+from typing import Callable, Collection, ContextManager, Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -151,7 +157,8 @@ class TokenPass:
 class FactorSums:
     """Partial sums of a factor pass, one rank's or one batch's: `tensors` maps a key to a tensor,
     and two sums over disjoint rows add (`a + b`) to the sum over both. Keys:
-    "{module}/A" Σ x xᵀ [in, in], "{module}/G" Σ δ δᵀ [out, out], "{module}/positions" int64 [],
+    "{module}/A" Σ x xᵀ [in, in], "{module}/G" Σ δ δᵀ [out, out] (or "{module}/G_diagonal" Σ δ² [out]
+    for a module fitted with a diagonal G), "{module}/positions" int64 [],
     "{module}/lambda" Σ_n (Q_Gᵀ G_n Q_A)² [out, in], and "examples" int64 [] (rows with a
     supervised token). Units: the loss's nats, squared, times the inputs' units squared."""
 
@@ -173,7 +180,8 @@ class Eigenbases:
     """Each module's A = Q_A diag(λ_A) Q_Aᵀ and G = Q_G diag(λ_G) Q_Gᵀ (module docstring).
 
     `bases[name]` = (q_a [in, in], lam_a [in], q_g [out, out], lam_g [out]), in `dtype`;
-    eigenvalues below zero (rounding of a singular second moment) are clipped to zero.
+    eigenvalues below zero (rounding of a singular second moment) are clipped to zero. A module
+    fitted with a diagonal G has an empty q_g (the identity) and lam_g = diag(G) (module docstring).
     """
 
     def __init__(self, bases: Dict[str, tuple]) -> None:
@@ -187,11 +195,22 @@ class Eigenbases:
         examples = max(int(t["examples"]), 1)
         for name in [k[: -len("/A")] for k in t if k.endswith("/A")]:
             a = t[f"{name}/A"].double() / max(int(t[f"{name}/positions"]), 1)
-            g = t[f"{name}/G"].double() / examples
             lam_a, q_a = torch.linalg.eigh(a)
-            lam_g, q_g = torch.linalg.eigh(g)
+            if f"{name}/G_diagonal" in t:
+                lam_g, q_g = t[f"{name}/G_diagonal"].double() / examples, a.new_empty(0)
+            else:
+                lam_g, q_g = torch.linalg.eigh(t[f"{name}/G"].double() / examples)
             bases[name] = tuple(v.to(dtype) for v in (q_a, lam_a.clamp_min(0), q_g, lam_g.clamp_min(0)))
         return cls(bases)
+
+
+# Q_G of a module fitted with a diagonal G: the identity, held as no numbers.
+IDENTITY_NUMEL = 0
+
+
+def in_output_basis(g: torch.Tensor, q_g: torch.Tensor) -> torch.Tensor:
+    """g [..., out] in the output eigenbasis: g Q_G, or g itself where Q_G is the identity (empty)."""
+    return g if q_g.numel() == IDENTITY_NUMEL else g @ q_g.to(g)
 
 
 class Factors:
@@ -229,6 +248,16 @@ class Factors:
         factors.kind = kind
         return factors
 
+    def part(self, names: Iterable[str]) -> "Factors":
+        """The same factors over modules `names` only, sharing their tensors: its `mean_eigenvalue`,
+        and with it an unrolling's horizon, is that part's own (the exact pass's parts, exact.py)."""
+        part = Factors.__new__(Factors)
+        names = list(names)
+        part.bases = {n: self.bases[n] for n in names}
+        part.eigenvalues = {n: self.eigenvalues[n] for n in names}
+        part.kind = self.kind
+        return part
+
     def mean_eigenvalue(self) -> float:
         """Ē, the mean eigenvalue over every module's [out, in] eigenvalues together: the curvature
         scale that `precondition`'s horizon is measured in."""
@@ -242,6 +271,8 @@ class Factors:
         Q_G ((Q_Gᵀ g Q_A) ⊙ f(E)) Q_Aᵀ, f(E) the `weights` [out, in]."""
         q_a, _, q_g, _ = self.bases[name]
         g = g.to(q_a.dtype)
+        if q_g.numel() == IDENTITY_NUMEL:  # a diagonal G: the output side needs no rotation
+            return ((g @ q_a) * self.weights(name, damping, horizon)) @ q_a.T
         return q_g @ ((q_g.T @ g @ q_a) * self.weights(name, damping, horizon)) @ q_a.T
 
     def weights(self, name: str, damping: float, horizon: Optional[float] = None) -> torch.Tensor:
@@ -256,8 +287,8 @@ class Factors:
         what gradient descent for a time t with h = t Ē does to a loss of curvature E (its limit h
         at E = 0), scaled by Ē so that it is a pure number: h × the identity (TracIn's gradient
         product) where h E/Ē is small, Ē / E (the influence function) where it is large. Ē is
-        `mean_eigenvalue()`, over every module, so a short horizon weighs modules as the inner
-        product does. `damping` is not used: f is bounded by h."""
+        `mean_eigenvalue()`, over every module of these factors (of a part's alone, `part`), so a
+        short horizon weighs modules as the inner product does. `damping` is not used: f is bounded by h."""
         e = self.eigenvalues[name]
         tiny = torch.finfo(e.dtype).tiny
         if horizon is None:
@@ -285,8 +316,10 @@ class FactorFit:
         spec: IndexSpec,
         modules: Optional[Dict[str, nn.Module]] = None,
         dtype: torch.dtype = torch.float32,
+        diagonal_g: Collection[str] = (),
     ) -> None:
         self.tokens = TokenPass(model, spec, modules, dtype)
+        self.diagonal_g = frozenset(diagonal_g)  # modules whose G is summed as its diagonal only
 
     def covariances(self, batch: Dict[str, torch.Tensor], forward_context=None) -> FactorSums:
         """Σ x xᵀ, Σ δ δᵀ and the position count of every module, and the example count, of one batch."""
@@ -295,7 +328,11 @@ class FactorFit:
 
         def step(name: str, x: torch.Tensor, g: torch.Tensor) -> None:
             x, g = x.flatten(0, 1), g.flatten(0, 1)  # zero rows (masked positions) add nothing
-            sums[f"{name}/A"], sums[f"{name}/G"] = x.T @ x, g.T @ g
+            sums[f"{name}/A"] = x.T @ x
+            if name in self.diagonal_g:
+                sums[f"{name}/G_diagonal"] = g.square().sum(dim=0)
+            else:
+                sums[f"{name}/G"] = g.T @ g
             sums[f"{name}/positions"] = positions
 
         self.tokens.run(batch, step, forward_context)
@@ -310,7 +347,7 @@ class FactorFit:
 
         def step(name: str, x: torch.Tensor, g: torch.Tensor) -> None:
             q_a, _, q_g, _ = bases.bases[name]
-            x, g = x @ q_a.to(x), g @ q_g.to(g)  # [B, T, in], [B, T, out] in the eigenbases
+            x, g = x @ q_a.to(x), in_output_basis(g, q_g)  # [B, T, in], [B, T, out] in the eigenbases
             total = x.new_zeros(g.shape[-1], x.shape[-1])
             for lo, hi in example_chunks(x.shape[0], g.shape[-1] * x.shape[-1]):
                 total += torch.bmm(g[lo:hi].transpose(1, 2), x[lo:hi]).square_().sum(dim=0)
@@ -333,11 +370,13 @@ def fit_factors(
     ekfac: bool = True,
     modules: Optional[Dict[str, nn.Module]] = None,
     dtype: torch.dtype = torch.float32,
+    diagonal_g: Collection[str] = (),
 ) -> Factors:
     """One process's fit over `batches` (iterated twice for EK-FAC: a list or a DataLoader, not a
-    generator); K-FAC's eigenvalues unless `ekfac`. Under a distributed strategy, sum each pass's
-    `FactorSums` over ranks before the next step instead (module docstring)."""
-    fit = FactorFit(model, spec, modules, dtype)
+    generator); K-FAC's eigenvalues unless `ekfac`; the modules in `diagonal_g` keep only G's
+    diagonal. Under a distributed strategy, sum each pass's `FactorSums` over ranks before the next
+    step instead (module docstring)."""
+    fit = FactorFit(model, spec, modules, dtype, diagonal_g)
     total = None
     for batch in batches:
         part = fit.covariances(batch)

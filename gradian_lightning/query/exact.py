@@ -9,6 +9,13 @@ Per selected module (weight [out, in], gradients in that orientation; gradients/
                or f(H) g_q with approximate unrolling's f over a horizon h (`Factors.precondition`)
     score:     s[q, n] = Σ_modules ⟨M_q, G_n⟩ = Σ_modules Σ_t δ_tᵀ M_q x_t over row n's tokens
 
+Parts (`parts`): the modules may be split into parts, each scored as its own cosine (norms over
+that part's modules only, an unrolling's Ē that part's own) and the parts' cosines summed, so that
+each part weighs the same whatever its gradients' size. query.precondition=auto makes the output
+head a second part beside the index's modules (exact_scoring.py): in one whole-row cosine its larger
+gradients drowned the MLP's (benchmarks/studies/lds_sets/README.md, "the output head's gradient
+against BM25"). One part (the default) is the whole-row cosine.
+
 Units: the inner product is in nats² per squared weight unit, as the index's exact rows; an
 influence score g_qᵀ (H + λ I)⁻¹ g_n has H in those units too (a second moment of gradients, per
 example), so it is a pure number; `cosine` is the score over ‖g_q‖ ‖G_n‖, both norms over all
@@ -32,13 +39,13 @@ selected modules' weights (SmolLM2-135M's MLP: 79.6 M numbers, 318 MB in float32
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from gradian_lightning.errors import GradianError
-from gradian_lightning.gradients.factors import Factors, TokenPass, example_chunks
+from gradian_lightning.gradients.factors import Factors, TokenPass, example_chunks, in_output_basis
 from gradian_lightning.specs import IndexSpec
 
 ORDERS = ("examples", "tokens")
@@ -105,6 +112,8 @@ class ExactPass:
             metric ‖g‖²_f = ⟨g, f(H) g⟩ where factors are given (a whitened cosine), plain otherwise.
         order: "examples" or "tokens", the contraction (module docstring); the same scores.
         dtype: the arithmetic's (float32; float64 in tests).
+        parts: the modules' names split into parts, each its own cosine (module docstring); None
+            for one part of every module.
 
     `score(batch)` gives [Q, B] for one training batch; `score_all(batches, rows)` [Q, rows],
     each batch's columns at its `index` (dataset positions) or in order. The model, its `.grad`,
@@ -123,6 +132,7 @@ class ExactPass:
         modules: Optional[Dict[str, nn.Module]] = None,
         dtype: torch.dtype = torch.float32,
         horizon: Optional[float] = None,
+        parts: Optional[Sequence[Sequence[str]]] = None,
     ) -> None:
         if order not in ORDERS:
             raise GradianError(
@@ -134,25 +144,34 @@ class ExactPass:
             )
         self.tokens = TokenPass(model, spec, modules, dtype)
         self.cosine, self.order = cosine, order
+        names = list(self.tokens.modules)
+        parts = [list(names)] if parts is None else [list(p) for p in parts]
+        if sorted(n for p in parts for n in p) != sorted(names):
+            raise GradianError(
+                f"ExactPass(parts=...) must split the modules {names} into parts, each module in one part; got {parts}"
+            )
+        self.part_of = {n: i for i, p in enumerate(parts) for n in p}
         grads = query_gradients_full(self.tokens, queries)
-        self.factors = factors
+        # Each part's factors on their own: an unrolling's Ē is the part's (`Factors.part`).
+        self.factors = None if factors is None else {n: factors.part(p) for p in parts for n in p}
         # f(E) [out, in] per module, for each row's norm in the metric: made once here, not per batch.
         self.metric = {}
         if cosine and factors is not None:
-            self.metric = {name: factors.weights(name, damping, horizon) for name in grads}
+            self.metric = {name: self.factors[name].weights(name, damping, horizon) for name in grads}
+        squared = torch.zeros(len(parts), grads[names[0]].shape[0], dtype=dtype)
         if factors is not None:
             # A module at a time, each raw gradient dropped once preconditioned: the directions
             # never sit beside a second full copy of themselves.
-            squared = []
             for name in list(grads):
                 g = grads.pop(name)
-                m = factors.precondition(name, g, damping, horizon)
-                squared.append((g.to(m) * m).flatten(1).sum(1))  # ‖g_q‖²_f = ⟨g_q, f(H) g_q⟩
+                m = self.factors[name].precondition(name, g, damping, horizon)
+                squared[self.part_of[name]] += (g.to(m) * m).flatten(1).sum(1).to(squared)  # ‖g_q‖²_f = ⟨g_q, f(H) g_q⟩
                 grads[name] = m
                 del g
         else:
-            squared = [g.flatten(1).square().sum(1) for g in grads.values()]
-        self.query_norms = torch.stack(squared).sum(0).clamp_min(0).sqrt()
+            for name, g in grads.items():
+                squared[self.part_of[name]] += g.flatten(1).square().sum(1).to(squared)
+        self.query_norms = squared.clamp_min(0).sqrt()  # [parts, Q]
         self.directions = grads  # name -> M_q [Q, out, in]
 
     def nbytes_per_query(self) -> int:
@@ -160,30 +179,32 @@ class ExactPass:
         return sum(m[0].numel() * m.element_size() for m in self.directions.values())
 
     def score(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Scores [Q, B] of one training batch."""
-        parts, norms = [], []
+        """Scores [Q, B] of one training batch: the sum over parts of each part's scores (its
+        cosine where `cosine`)."""
+        count, (q, b) = len(self.query_norms), (self.query_norms.shape[1], batch["input_ids"].shape[0])
+        scores = torch.zeros(count, q, b, dtype=self.tokens.dtype)
+        norms = torch.zeros(count, b, dtype=self.tokens.dtype)
         contract = _scores_by_tokens if self.order == "tokens" else _scores_by_examples
 
         def step(name: str, x: torch.Tensor, g: torch.Tensor) -> None:
-            parts.append(contract(self.directions[name].to(x), x, g))
+            part = self.part_of[name]
+            scores[part] += contract(self.directions[name].to(x), x, g).to(scores)
             if self.cosine and self.factors is not None:
-                norms.append(self._metric_squared_norms(name, x, g))
+                norms[part] += self._metric_squared_norms(name, x, g).to(norms)
             elif self.cosine:
-                norms.append(_squared_norms(x, g))
+                norms[part] += _squared_norms(x, g).to(norms)
 
         self.tokens.run(batch, step)
-        scores = torch.stack(parts).sum(0)
         if self.cosine:
-            row_norms = torch.stack(norms).sum(0).sqrt()
-            scores = scores / (self.query_norms[:, None].to(scores) * row_norms[None, :]).clamp_min(1e-30)
-        return scores
+            scores = scores / (self.query_norms[:, :, None].to(scores) * norms.sqrt()[:, None, :]).clamp_min(1e-30)
+        return scores.sum(0)
 
     def _metric_squared_norms(self, name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """‖G_b‖²_f [B] = Σ_oi f(E) ⊙ (Q_Gᵀ G_b Q_A)², each row's gradient made in the eigenbases
         a few rows at a time ([c, out, in] within `CHUNK_ELEMENTS`)."""
-        q_a, _, q_g, _ = self.factors.bases[name]
+        q_a, _, q_g, _ = self.factors[name].bases[name]
         weights = self.metric[name].to(x)
-        x, g = x @ q_a.to(x), g @ q_g.to(g)
+        x, g = x @ q_a.to(x), in_output_basis(g, q_g)
         out = x.new_empty(x.shape[0])
         for lo, hi in example_chunks(x.shape[0], g.shape[-1] * x.shape[-1]):
             rotated = torch.bmm(g[lo:hi].transpose(1, 2), x[lo:hi])
@@ -192,7 +213,7 @@ class ExactPass:
 
     def score_all(self, batches: Iterable[Dict[str, torch.Tensor]], rows: int) -> torch.Tensor:
         """Scores [Q, rows] of every training row: one pass over `batches`."""
-        out = torch.zeros(len(self.query_norms), rows, dtype=self.tokens.dtype)
+        out = torch.zeros(self.query_norms.shape[1], rows, dtype=self.tokens.dtype)
         at = 0
         for batch in batches:
             scores = self.score(batch).cpu()
