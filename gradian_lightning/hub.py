@@ -169,11 +169,17 @@ def find_causal_lm(pl_module: nn.Module, attribute: Optional[str] = None) -> nn.
 def describe_model(model: nn.Module, name_or_path: Optional[str] = None) -> Dict[str, Any]:
     """What an index records of the model its rows were made with, and what a query's model is
     compared against: class, resolved name (`name_or_path` when the model's config has none),
-    vocabulary size and parameter dtype."""
+    vocabulary size, parameter dtype, and the output head's [out, in] where it is an nn.Linear
+    (what query.method=auto counts of the exact pass's head, query/exact_scoring.py)."""
+    from torch import nn  # here: a model exists, so torch is imported already
+
     config = getattr(model, "config", None)
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
     return {
         "class": type(model).__name__,
         "name_or_path": normalized_name(getattr(config, "_name_or_path", None) or name_or_path),
         "vocab_size": getattr(config, "vocab_size", None),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "head_features": [head.out_features, head.in_features] if isinstance(head, nn.Linear) else None,
     }

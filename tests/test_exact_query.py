@@ -15,11 +15,13 @@ from gradian_lightning import IndexSpec, JsonlDataset, QuerySpec, collate, open_
 from gradian_lightning.cli import main
 from gradian_lightning.config import load_config
 from gradian_lightning.errors import ConfigError
+from gradian_lightning.gradients.capture import select_modules
 from gradian_lightning.gradients.factors import fit_factors
 from gradian_lightning.query.exact import ExactPass
 from gradian_lightning.query.exact_scoring import (
     AUTO_COSINE,
     AUTO_FACTORS,
+    AUTO_HEAD,
     AUTO_HORIZON,
     AUTO_HORIZON_TRAJECTORY,
     exact_estimator,
@@ -66,18 +68,34 @@ def _batch(rows, tokenizer):
     return {k: v for k, v in collate(JsonlDataset(rows, tokenizer, MAX_LEN).examples).items() if k in KEYS}
 
 
-def reference(path, kind=None, damping=0.1, horizon=None, cosine=False, train=ROWS):
+def reference(path, kind=None, damping=0.1, horizon=None, cosine=False, train=ROWS, head=False):
     """[Q, N] float64 of `ExactPass` run directly: the saved model, every training row in one batch,
-    factors fitted over that batch; a different batching and dtype than the recipe's."""
+    factors fitted over that batch; a different batching and dtype than the recipe's. `head`: the
+    output head (`lm_head`) as a second part, its G diagonal."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     spec = IndexSpec()
     train_batch = _batch(train, tokenizer)
+    modules = select_modules(model, spec.module_filter)
+    parts = [list(modules), ["lm_head"]] if head else None
+    modules = {**modules, "lm_head": model.lm_head} if head else modules
+    diagonal = ["lm_head"] if head else []
     factors = None
     if kind is not None:
-        factors = fit_factors(model, spec, [train_batch], ekfac=kind == "ekfac", dtype=torch.float64)
+        factors = fit_factors(
+            model, spec, [train_batch], ekfac=kind == "ekfac", modules=modules, dtype=torch.float64, diagonal_g=diagonal
+        )
     exact = ExactPass(
-        model, spec, _batch(QUERIES, tokenizer), factors, damping, cosine, horizon=horizon, dtype=torch.float64
+        model,
+        spec,
+        _batch(QUERIES, tokenizer),
+        factors,
+        damping,
+        cosine,
+        horizon=horizon,
+        dtype=torch.float64,
+        modules=modules,
+        parts=parts,
     )
     return exact.score_all([train_batch], len(train)).numpy()
 
@@ -92,7 +110,10 @@ CASES = [
     ({"precondition": "ekfac", "damping": 0.1, "score": "inner"}, {"kind": "ekfac", "damping": 0.1}),
     ({"precondition": "kfac", "damping": 0.3, "horizon": 2.0, "score": "inner"}, {"kind": "kfac", "horizon": 2.0}),
     ({"precondition": "ekfac", "damping": 0.1, "score": "cosine"}, {"kind": "ekfac", "damping": 0.1, "cosine": True}),
-    ({}, {"kind": AUTO_FACTORS, "horizon": AUTO_HORIZON, "cosine": AUTO_COSINE}),  # auto: the defaults
+    (
+        {},
+        {"kind": AUTO_FACTORS, "horizon": AUTO_HORIZON, "cosine": AUTO_COSINE, "head": AUTO_HEAD},
+    ),  # auto: the defaults
 ]
 
 
@@ -115,7 +136,7 @@ def test_dense_scores_and_gradian_query_equal_a_direct_exact_pass(tmp_path, save
     printed = capsys.readouterr().out
     scoring = exact_estimator(QuerySpec(method="exact")).describe()
     assert scoring.startswith("exact pass: full-space") and scoring in printed
-    expected = reference(saved_model, kind=AUTO_FACTORS, horizon=AUTO_HORIZON, cosine=AUTO_COSINE)
+    expected = reference(saved_model, kind=AUTO_FACTORS, horizon=AUTO_HORIZON, cosine=AUTO_COSINE, head=AUTO_HEAD)
     for q, line in enumerate(out.read_text().splitlines()):
         entry = json.loads(line)
         assert entry["query_id"] == QUERIES[q]["id"] and entry["scoring"] == scoring
@@ -276,6 +297,39 @@ def test_the_estimator_is_resolved_in_one_place():
     assert exact_estimator(QuerySpec(method="exact", precondition="none", score="auto")).cosine is AUTO_COSINE
     assert exact_estimator(QuerySpec(method="exact", precondition="ekfac", score="inner")).cosine is False
     assert QuerySpec(method="exact", precondition="kfac", damping=0.1)  # kfac is allowed under exact
+    # The output head is a second part of auto's estimator only, and only as a cosine: the field's
+    # estimators (kfac, ekfac, none) stay over the index's modules, as issue 41's references.
+    assert exact_estimator(QuerySpec(method="exact")).head is AUTO_HEAD
+    assert exact_estimator(QuerySpec(method="exact", score="inner")).head is False
+    assert exact_estimator(QuerySpec(method="exact", precondition="kfac")).head is False
+
+
+def test_auto_counts_the_heads_weights_in_the_exact_pass_cost(tmp_path, indexed, saved_model):
+    """The cost line's weights are the index's modules' plus the output head's [out, in], which the
+    index records; an estimator without the head counts the modules alone."""
+    reader = open_index(tmp_path / "ix").reader
+    model = AutoModelForCausalLM.from_pretrained(saved_model)
+    modules = sum(m.weight.numel() for m in select_modules(model, IndexSpec().module_filter).values())
+    assert reader.meta.model["head_features"] == list(model.lm_head.weight.shape)
+    _, why = resolve_method(QuerySpec(), reader, 1)
+    assert f"x {modules + model.lm_head.weight.numel():,} weights" in why
+    _, why = resolve_method(QuerySpec(score="inner"), reader, 1)
+    assert f"x {modules:,} weights" in why
+
+
+def test_a_head_the_settings_cannot_score_is_said_and_left_out(tmp_path, indexed, saved_model, capsys):
+    """grads.loss_chunk_tokens runs the head outside its module: auto's scores are then the index's
+    modules' alone, and the output says so with the fix."""
+    out = tmp_path / "chunked.jsonl"
+    settings = ["query.method=exact", "query.top_k=all", "grads.loss_chunk_tokens=4", f"query.output={out}"]
+    assert main(["query", *indexed, *settings]) == 0
+    assert "the output head is left out: grads.loss_chunk_tokens runs it outside its module" in capsys.readouterr().out
+    expected = reference(saved_model, kind=AUTO_FACTORS, horizon=AUTO_HORIZON, cosine=AUTO_COSINE)
+    for q, line in enumerate(out.read_text().splitlines()):
+        entry = json.loads(line)
+        assert "plus the output head" not in entry["scoring"]
+        got = {r["index"]: r["score"] for r in entry["results"]}
+        _close(np.array([got[i] for i in range(len(ROWS))]), expected[q])
 
 
 def test_auto_runs_the_exact_pass_within_its_budget_and_the_index_past_it(tmp_path, indexed, capsys):

@@ -10,8 +10,8 @@ Per selected module (weight [out, in], gradients in that orientation; gradients/
     score:     s[q, n] = Σ_modules ⟨M_q, G_n⟩ = Σ_modules Σ_t δ_tᵀ M_q x_t over row n's tokens
 
 Parts (`parts`): the modules may be split into parts, each scored as its own cosine (norms over
-that part's modules only, an unrolling's Ē that part's own) and the parts' cosines summed, so that
-each part weighs the same whatever its gradients' size. query.precondition=auto makes the output
+that part's modules only, an unrolling's Ē that part's own) and the parts' cosines averaged, so
+that each part weighs the same whatever its gradients' size and a row's score with itself is 1. query.precondition=auto makes the output
 head a second part beside the index's modules (exact_scoring.py): in one whole-row cosine its larger
 gradients drowned the MLP's (benchmarks/studies/lds_sets/README.md, "the output head's gradient
 against BM25"). One part (the default) is the whole-row cosine.
@@ -112,8 +112,8 @@ class ExactPass:
             metric ‖g‖²_f = ⟨g, f(H) g⟩ where factors are given (a whitened cosine), plain otherwise.
         order: "examples" or "tokens", the contraction (module docstring); the same scores.
         dtype: the arithmetic's (float32; float64 in tests).
-        parts: the modules' names split into parts, each its own cosine (module docstring); None
-            for one part of every module.
+        parts: the modules' names split into parts, each its own cosine, averaged (module
+            docstring); None for one part of every module.
 
     `score(batch)` gives [Q, B] for one training batch; `score_all(batches, rows)` [Q, rows],
     each batch's columns at its `index` (dataset positions) or in order. The model, its `.grad`,
@@ -179,8 +179,8 @@ class ExactPass:
         return sum(m[0].numel() * m.element_size() for m in self.directions.values())
 
     def score(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Scores [Q, B] of one training batch: the sum over parts of each part's scores (its
-        cosine where `cosine`)."""
+        """Scores [Q, B] of one training batch: with `cosine` the mean over parts of each part's
+        cosine, else the sum of every module's inner product."""
         count, (q, b) = len(self.query_norms), (self.query_norms.shape[1], batch["input_ids"].shape[0])
         scores = torch.zeros(count, q, b, dtype=self.tokens.dtype)
         norms = torch.zeros(count, b, dtype=self.tokens.dtype)
@@ -197,6 +197,7 @@ class ExactPass:
         self.tokens.run(batch, step)
         if self.cosine:
             scores = scores / (self.query_norms[:, :, None].to(scores) * norms.sqrt()[:, None, :]).clamp_min(1e-30)
+            return scores.mean(0)
         return scores.sum(0)
 
     def _metric_squared_norms(self, name: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

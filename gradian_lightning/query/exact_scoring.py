@@ -4,7 +4,8 @@
     resolve_method                query.method=auto: the exact pass within query.exact_budget, else the index
                                   (choose_method: the rule itself, which `gradian plan` applies too)
     TrainBatches                  the index's training rows, tokenised and batched as indexing did
-    exact_modules                 the index's modules in a checkpoint's model, checked against it
+    exact_modules                 the index's modules in a checkpoint's model, checked against it, and
+                                  the output head as a second part where the estimator has one
     factor_set_key / factor_set   what a cached factor set was fitted from; `Factors` <-> arrays
     exact_scores                  [Q, N] of one checkpoint, queries taken a memory budget at a time
 
@@ -45,10 +46,20 @@ AUTO_FACTORS = "kfac"
 AUTO_HORIZON = 30.0
 AUTO_HORIZON_TRAJECTORY = 10.0
 AUTO_COSINE = True  # query.score=auto: each checkpoint's scores as a cosine in the factors' metric
+# precondition=auto adds the output head as a second part (query/exact.py), its G factor diagonal
+# (gradients/factors.py), its cosine averaged with the index modules'. On the fact sets the head's
+# preconditioned gradient is the strongest single part (an IDF learnt from the softmax: +0.564
+# against +0.480 on facts-N256 with 96 queries, 3.2 standard errors above BM25 where the MLP alone is
+# 1.2 below), at no cost in raw LDS on any set; in one whole-row cosine with the MLP its larger
+# gradients drowned the MLP's on `format` (benchmarks/studies/lds_sets/README.md, "the output
+# head's gradient against BM25").
+AUTO_HEAD = True
 # Bytes of query directions (one [out, in] matrix per module and query) one pass over the training
 # rows holds: more queries than fit are scored in several passes.
 QUERY_BYTES = 2**31
-FACTOR_SET_FORMAT = 1  # bump when what a factor set holds changes: older sets are then refitted
+FACTOR_SET_FORMAT = (
+    2  # bump when what a factor set holds changes: older sets are then refitted (2: the head's diagonal G)
+)
 # The exact pass's fixed cost a checkpoint (the factors' eigendecompositions, the queries' full
 # gradients and directions), in supervised tokens of scoring it is worth: ~100 s against ~90 ms a
 # token on SmolLM2-135M's MLP (benchmarks/RESULTS.md §13). query.method=auto counts it, so a model
@@ -61,12 +72,14 @@ class ExactEstimator:
     """What the exact pass computes. factors: None (no preconditioning), "kfac" or "ekfac";
     cosine: whole-row cosine, in the factors' metric ⟨g, f(H) g⟩ where there are factors;
     damping: λ as a fraction of each module's mean eigenvalue (influence function only);
-    horizon: None for the influence function, else approximate unrolling over it."""
+    horizon: None for the influence function, else approximate unrolling over it;
+    head: the output head scored as a second part beside the index's modules (`exact_modules`)."""
 
     factors: Optional[str]
     cosine: bool
     damping: float
     horizon: Optional[float]
+    head: bool = False
 
     def describe(self) -> str:
         """In the words the query's output, summary line and report use, e.g.
@@ -75,16 +88,18 @@ class ExactEstimator:
             return f"exact pass: full-space {'whole-row cosine' if self.cosine else 'inner product'}"
         name = {"kfac": "K-FAC", "ekfac": "EK-FAC"}[self.factors]
         cosine = ", whitened cosine" if self.cosine else ""
+        head = ", plus the output head as a second part (its G diagonal)" if self.head else ""
         if self.horizon is None:
-            return f"exact pass: full-space {name} influence, damping {self.damping:g}{cosine}"
-        return f"exact pass: full-space {name} approximate unrolling, horizon {self.horizon:g}{cosine}"
+            return f"exact pass: full-space {name} influence, damping {self.damping:g}{cosine}{head}"
+        return f"exact pass: full-space {name} approximate unrolling, horizon {self.horizon:g}{cosine}{head}"
 
 
 def exact_estimator(spec: QuerySpec, checkpoints: int = 1) -> ExactEstimator:
     """The estimator of a query.method=exact spec (specs.py has refused what cannot be computed).
 
     precondition=auto: `AUTO_FACTORS` with `AUTO_HORIZON` (`AUTO_HORIZON_TRAJECTORY` where
-    `checkpoints`, the number summed, is 3 or more), or with the horizon given; kfac and
+    `checkpoints`, the number summed, is 3 or more), or with the horizon given, and with a cosine
+    the output head as a second part (`AUTO_HEAD`); kfac and
     ekfac: the influence function at query.damping unless a horizon is given; none: the inner
     product, or the whole-row cosine for query.score=cosine. score=auto: cosine if `AUTO_COSINE`
     (in the factors' metric where there are factors), else the inner product."""
@@ -94,7 +109,8 @@ def exact_estimator(spec: QuerySpec, checkpoints: int = 1) -> ExactEstimator:
         return ExactEstimator(None, cosine, float(spec.damping), None)
     if spec.precondition == "auto":
         auto = AUTO_HORIZON_TRAJECTORY if checkpoints >= 3 else AUTO_HORIZON
-        return ExactEstimator(AUTO_FACTORS, cosine, float(spec.damping), auto if spec.horizon == "auto" else horizon)
+        horizon = auto if spec.horizon == "auto" else horizon
+        return ExactEstimator(AUTO_FACTORS, cosine, float(spec.damping), horizon, head=AUTO_HEAD and cosine)
     return ExactEstimator(spec.precondition, cosine, float(spec.damping), None if horizon is None else float(horizon))
 
 
@@ -107,22 +123,30 @@ def exact_cost(supervised: int, checkpoints: int, weights: int) -> Tuple[float, 
     return value, text
 
 
-def factor_set_bytes(shapes: Iterable[Tuple[int, int]]) -> int:
+def factor_set_bytes(shapes: Iterable[Tuple[int, int]], diagonal: Iterable[Tuple[int, int]] = ()) -> int:
     """Bytes of one checkpoint's factor set in index.path/factors/ before compression, for modules
     of weight shapes (out, in): `Factors.state()` in float32, q_a [in, in], lam_a [in], q_g [out, out],
-    lam_g [out] and eigenvalues [out, in] each."""
-    return 4 * sum(i * i + i + o * o + o + o * i for o, i in shapes)
+    lam_g [out] and eigenvalues [out, in] each; a module of `diagonal` (fitted with a diagonal G)
+    holds no q_g."""
+    return 4 * sum(i * i + i + o * o + o + o * i for o, i in shapes) + 4 * sum(
+        i * i + i + o + o * i for o, i in diagonal
+    )
 
 
 def resolve_method(
     spec: QuerySpec, index: IndexReader, checkpoints: int, why_not_exact: Callable[[], Optional[str]] = lambda: None
 ) -> Tuple[QuerySpec, str]:
     """query.method=auto made concrete for `index` (`choose_method` on its rankable rows' supervised
-    tokens and its modules' weights), and a line saying why (empty for an explicit method)."""
+    tokens and its modules' weights, with the output head's where the estimator scores it and the
+    index recorded its size: indexes written before that count the modules alone), and a line
+    saying why (empty for an explicit method)."""
     if spec.method != "auto":
         return spec, ""
     supervised = int(index.column("supervised_tokens")[index.rankable(0, len(index))].sum())
     weights = sum(b.out_features * b.in_features for b in index.meta.blocks)
+    head = index.meta.model.get("head_features")
+    if exact_estimator(spec, checkpoints).head and head:
+        weights += int(head[0]) * int(head[1])
     return choose_method(spec, supervised, checkpoints, weights, why_not_exact)
 
 
@@ -168,18 +192,66 @@ def choose_method(
     ), f"query.method=auto: exact ({cost}, within query.exact_budget={spec.exact_budget:.2g})"
 
 
+@dataclass
+class ExactModules:
+    """What the exact pass runs over at one checkpoint: `modules` by name (the index's, then the
+    output head where it is a part of its own), the `spec` it runs with, the `parts` (None: one part
+    of every module), the modules fitted with a diagonal G, and `head_note`: why a head the
+    estimator asked for is not a part of its own ("" where it is, or was not asked for)."""
+
+    modules: Dict[str, nn.Module]
+    spec: IndexSpec
+    parts: Optional[List[List[str]]] = None
+    diagonal_g: Tuple[str, ...] = ()
+    head_note: str = ""
+
+
+def output_head(model: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """(name, module) of the model's output head (`get_output_embeddings()`) where it is an
+    nn.Linear, else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    return next(((name, m) for name, m in model.named_modules() if m is head), None)
+
+
 def exact_modules(
-    index: IndexReader, model: nn.Module, settings: Optional[IndexSpec] = None, given: Optional[Collection[str]] = None
-) -> Tuple[Dict[str, nn.Module], IndexSpec]:
-    """The index's modules in `model` by name, and the spec the exact pass runs with (the index's,
-    with the caller's memory-only settings where given, as `index_gradient_rows`). Raises
-    `IndexMismatchError` where the model or settings cannot match the index."""
+    index: IndexReader,
+    model: nn.Module,
+    settings: Optional[IndexSpec] = None,
+    given: Optional[Collection[str]] = None,
+    head: bool = False,
+) -> ExactModules:
+    """The index's modules in `model` by name, the spec the exact pass runs with (the index's, with
+    the caller's memory-only settings where given, as `index_gradient_rows`) and, with `head`, the
+    output head as a second part with a diagonal G, where the model and settings allow it (else
+    `head_note` says why not). Raises `IndexMismatchError` where the model or settings cannot match
+    the index."""
     model = unwrap_peft(model)
     check_matches_index(index, model, settings, given)
     linears = dict(model.named_modules())
     given = set(field_names(IndexSpec) if given is None else given)
     memory = {k: getattr(settings, k) for k in MEMORY_SETTINGS if settings is not None and k in given}
-    return {b.name: linears[b.name] for b in index.meta.blocks}, replace(index.meta.spec, **memory)
+    modules = {b.name: linears[b.name] for b in index.meta.blocks}
+    spec = replace(index.meta.spec, **memory)
+    if not head:
+        return ExactModules(modules, spec)
+    found = output_head(model)
+    if found is None:
+        return ExactModules(
+            modules, spec, head_note="the output head is left out: the model has no nn.Linear output head"
+        )
+    name, module = found
+    if name in modules:
+        return ExactModules(modules, spec, head_note="the output head is one of the index's modules, in their one part")
+    if spec.loss_chunk_tokens is not None:
+        return ExactModules(
+            modules,
+            spec,
+            head_note="the output head is left out: grads.loss_chunk_tokens runs it outside its module; set grads.loss_chunk_tokens=null to score it",
+        )
+    return ExactModules({**modules, name: module}, spec, [list(modules), [name]], (name,))
 
 
 class TrainBatches:
@@ -217,17 +289,24 @@ def positions_digest(positions: np.ndarray) -> str:
 
 
 def factor_set_key(
-    index: IndexReader, kind: str, positions: np.ndarray, max_seq_length: int, precision: Any
+    index: IndexReader,
+    kind: str,
+    positions: np.ndarray,
+    max_seq_length: int,
+    precision: Any,
+    modules: Optional[Sequence[str]] = None,
+    diagonal_g: Sequence[str] = (),
 ) -> Dict[str, Any]:
     """What a factor set of checkpoint `index` was fitted from: any difference refits it. The
-    modules, the training data (each source's fingerprint), the rows fitted on, their tokenisation,
-    the checkpoint's weights (their digest, or the model's name where the index has none) and the
-    precision the model ran in."""
+    modules (the index's unless given) and those fitted with a diagonal G, the training data (each
+    source's fingerprint), the rows fitted on, their tokenisation, the checkpoint's weights (their
+    digest, or the model's name where the index has none) and the precision the model ran in."""
     entry = next(e for e in index.checkpoints if int(e["step"]) == index.step)
     return {
         "format": FACTOR_SET_FORMAT,
         "kind": kind,
-        "modules": [b.name for b in index.meta.blocks],
+        "modules": list(modules) if modules is not None else [b.name for b in index.meta.blocks],
+        "diagonal_g": list(diagonal_g),
         "data": [s["data"].get("fingerprint") or s["data"].get("sha256") for s in index.meta.data_segments()],
         "rows": positions_digest(positions),
         "max_seq_length": int(max_seq_length),
@@ -267,10 +346,11 @@ def exact_scores(
     rows: int,
     estimator: ExactEstimator,
     factors: Optional[Factors] = None,
+    parts: Optional[Sequence[Sequence[str]]] = None,
 ) -> torch.Tensor:
     """float32 [Q, rows] on the CPU: each query's exact score of every row `batches` holds, at its
     dataset position (0 elsewhere), one `ExactPass` per `queries_per_pass` queries. `factors` are
-    needed when `estimator.factors` is set."""
+    needed when `estimator.factors` is set; `parts` as `ExactModules.parts`."""
     out = []
     step = queries_per_pass(modules)
     for lo in range(0, len(queries), step):
@@ -284,6 +364,7 @@ def exact_scores(
             cosine=estimator.cosine,
             modules=modules,
             horizon=estimator.horizon,
+            parts=parts,
         )
         out.append(exact.score_all(batches, rows).float())
         del exact  # before the next group's directions are made: one group's held at a time

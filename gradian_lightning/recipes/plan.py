@@ -40,7 +40,9 @@ from gradian_lightning.query.exact_scoring import (
     QUERY_BYTES,
     choose_method,
     exact_cost,
+    exact_estimator,
     factor_set_bytes,
+    output_head,
     run_settings_against_exact,
 )
 from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec, QuerySpec
@@ -289,11 +291,15 @@ def query_plan(cfg: DictConfig, model: torch.nn.Module, spec: IndexSpec, supervi
     q = QuerySpec.from_config(cfg.query)
     saved = len(cfg.model.checkpoints or []) or 1
     chosen = 1 if q.checkpoints == "last" else len(q.checkpoints) if isinstance(q.checkpoints, tuple) else saved
-    shapes = [linear_features(m) for m in select_modules(model, list(spec.module_filter)).values()]
-    weights = sum(o * i for o, i in shapes)
+    selected = select_modules(model, list(spec.module_filter))
+    shapes = [linear_features(m) for m in selected.values()]
+    # The output head, where the estimator scores it as a part of its own (exact_modules' rule).
+    head = output_head(model) if exact_estimator(q, chosen).head and spec.loss_chunk_tokens is None else None
+    diagonal = [linear_features(head[1])] if head is not None and head[0] not in selected else []
+    weights = sum(o * i for o, i in shapes + diagonal)
     refused = run_settings_against_exact(cfg.query.engine, bool(cfg.query.token_scores))
     resolved, why = choose_method(q, supervised, chosen, weights, lambda: refused)
-    factors = factor_set_bytes(shapes)
+    factors = factor_set_bytes(shapes, diagonal)
     return {
         "method": resolved.method,
         "why": why or f"query.method={q.method}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -289,7 +289,8 @@ def exact_dense_scores(
         reader = readers[step]
         model, tokenizer = load_saved_model(cfg.model, name)
         fabric.setup_module(model)  # cast and placed as make_query_rows places it
-        modules, run_spec = exact_modules(reader, model, spec, given)
+        chosen_modules = exact_modules(reader, model, spec, given, head=estimator.head)
+        modules, run_spec = chosen_modules.modules, chosen_modules.spec
         pad = pad_token_id(tokenizer)
         rows = TokenizedRows(train_rows, tokenizer, max_seq_length, source="data.train")
         batches = TrainBatches(rows, positions, int(cfg.grads.batch_size), pad, fabric.device)
@@ -300,15 +301,25 @@ def exact_dense_scores(
         # forward runs in the weights' own dtype (a *-true precision's, cast by setup_module).
         factors = None
         if estimator.factors is not None:
-            key = factor_set_key(reader, estimator.factors, positions, max_seq_length, precision)
-            factors = _factors(index, model, run_spec, modules, batches, step, estimator.factors, key, fabric)
-        part = exact_scores(model, run_spec, modules, examples, pad, batches, len(index), estimator, factors)
+            diagonal = chosen_modules.diagonal_g
+            key = factor_set_key(
+                reader, estimator.factors, positions, max_seq_length, precision, list(modules), diagonal
+            )
+            factors = _factors(index, model, run_spec, modules, batches, step, estimator.factors, key, fabric, diagonal)
+        part = exact_scores(
+            model, run_spec, modules, examples, pad, batches, len(index), estimator, factors, chosen_modules.parts
+        )
+        head_note = chosen_modules.head_note
         part = part.numpy() * np.float32(weights[step])
         by_checkpoint[step] = part
         total = part.copy() if total is None else total + part
         del model, factors
     total[:, ~rankable] = np.nan
-    scoring = estimator.describe()
+    # A head the estimator asked for but this model or these settings cannot score as a part of its
+    # own is said, not dropped silently.
+    scoring = replace(estimator, head=estimator.head and not head_note).describe()
+    if head_note:
+        scoring += f" ({head_note})"
     if len(chosen) > 1:
         scoring += f", summed over {len(chosen)} checkpoints weighted by learning rate"
     return ExactScores(total, by_checkpoint, scoring, fabric.device)
@@ -324,6 +335,7 @@ def _factors(
     kind: str,
     key: Dict[str, Any],
     fabric: L.Fabric,
+    diagonal_g: Sequence[str] = (),
 ) -> Factors:
     """Checkpoint `step`'s factors: read from the index's factors/ cache when a complete set was
     fitted under `key`, else fitted over `batches` and written there (a read-only index is warned
@@ -332,7 +344,7 @@ def _factors(
     stored = read_factor_set(str(index.path), name, key)
     if stored is not None:
         return factors_from_arrays(stored, kind, fabric.device)
-    factors = fit_factors(model, spec, batches, ekfac=kind == "ekfac", modules=modules)
+    factors = fit_factors(model, spec, batches, ekfac=kind == "ekfac", modules=modules, diagonal_g=diagonal_g)
     try:
         write_factor_set(str(index.path), name, key, factor_arrays(factors))
     except OSError as err:
