@@ -37,8 +37,8 @@ PRECONDITIONS = ("auto", "none", "diag", "fisher", "ekfac", "kfac")
 METHODS = ("auto", "index", "exact")
 # query.exact_budget's default, in (supervised tokens + the pass's fixed cost, 1,100 tokens) x
 # checkpoints x selected weights (about the multiply-adds of the pass): 3e10 keeps every tiny LDS
-# set of issue 41 (up to 4,096 rows of a 393 K-weight MLP, 5 checkpoints) on the exact pass and sends
-# SmolLM2-135M's MLP (79.6 M weights) to the index whatever its rows: there the exact pass costs
+# set of issue 41 (up to 4,096 rows of a 2-layer model: 49 K MLP weights and its output head's 31-47 K, 5
+# checkpoints) on the exact pass and sends SmolLM2-135M (79.6 M MLP and 28.3 M head weights) to the index whatever its rows: there the exact pass costs
 # ~90 ms a token and checkpoint on one CPU thread plus ~100 s of eigendecompositions a checkpoint,
 # and a 2-checkpoint query over 80 rows peaked at 22 GB (benchmarks/studies/lds_sets/README.md).
 EXACT_BUDGET = 3e10
