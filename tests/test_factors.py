@@ -7,8 +7,15 @@ from conftest import ROWS, make_model
 
 from gradian_lightning import IndexSpec, JsonlDataset, collate
 from gradian_lightning.gradients.capture import select_modules
-from gradian_lightning.gradients.factors import Eigenbases, FactorFit, Factors, carrying_positions, fit_factors
-from gradian_lightning.gradients.loss import supervised_token_loss
+from gradian_lightning.gradients.factors import (
+    Eigenbases,
+    FactorFit,
+    Factors,
+    TokenPass,
+    carrying_positions,
+    fit_factors,
+)
+from gradian_lightning.gradients.loss import supervised_targets, supervised_token_loss
 
 SPEC = IndexSpec(module_filter=["*.layers.*"], projection_dim=None, storage_dtype="float32")
 KEYS = ("input_ids", "attention_mask", "labels")
@@ -124,6 +131,25 @@ def test_a_diagonal_g_is_the_diagonal_of_g_with_the_identity_as_its_basis(tokeni
     # The other modules' factors are those of a fit without the diagonal head.
     for name in select_modules(model, SPEC.module_filter):
         torch.testing.assert_close(factors.bases[name][3], full.bases[name][3], rtol=1e-9, atol=1e-14)
+
+
+def test_the_heads_positions_are_packed_to_the_most_supervised_of_a_row(tokenizer):
+    """A head run on the gathered supervised positions is handed on as [B, most supervised, f], each
+    row's positions first and zero after, not scattered to [B, T, vocab]; its per-example gradients
+    Σ_t δ_t x_tᵀ are the autograd ones."""
+    model = tiny(tokenizer)
+    batch = batches(tokenizer)[0]
+    seen = {}
+    TokenPass(model, SPEC, {"lm_head": model.lm_head}, torch.float64).run(
+        batch, lambda name, x, g: seen.update(x=x, g=g)
+    )
+    counts = supervised_targets(batch["labels"]).sum(1)
+    assert seen["g"].shape == (len(counts), int(counts.max()), model.lm_head.out_features)
+    assert int(counts.max()) < batch["labels"].shape[1]
+    for b, n in enumerate(counts.tolist()):
+        assert seen["g"][b, n:].abs().sum() == 0 and seen["x"][b, n:].abs().sum() == 0
+    expected = per_example_gradients(model, batch, {"lm_head": model.lm_head})["lm_head"]
+    torch.testing.assert_close(torch.bmm(seen["g"].transpose(1, 2), seen["x"]), expected, rtol=1e-9, atol=1e-12)
 
 
 def test_ekfac_eigenvalues_equal_the_per_example_computation(tokenizer):

@@ -68,8 +68,11 @@ def carrying_positions(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
     return mask if attention is None else mask & attention.bool()
 
 
-# What `TokenPass` hands on for each module: (name, x [B, T, in], δ [B, T, out]), both zero
-# outside `carrying_positions`, in the pass's dtype.
+# What `TokenPass` hands on for each module: (name, x [B, L, in], δ [B, L, out]) in the pass's
+# dtype: L = T with both zero outside `carrying_positions`, or, for a module that ran on the
+# gathered supervised positions only (the output head under `logits_to_keep`), L = the most
+# supervised positions of any row, each row's packed at the front and zero after. Every consumer
+# sums over a row's positions (Σ_t δ_t x_tᵀ, Σ x xᵀ, ...), which their order does not change.
 ModuleStep = Callable[[str, torch.Tensor, torch.Tensor], None]
 
 
@@ -85,7 +88,7 @@ class TokenPass:
         dtype: what x and δ are cast to before the callback (float32, or float64 in tests).
 
     `run(batch, step)` calls `step(name, x, δ)` once per module as the backward reaches it, with
-    x [B, T, in] and δ [B, T, out] zeroed outside `carrying_positions`; each module's input is
+    x [B, L, in] and δ [B, L, out] as `ModuleStep` says; each module's input is
     held from the forward until then (in the model's dtype), as a training backward holds it, and
     let go after.
     """
@@ -113,17 +116,23 @@ class TokenPass:
             batch = {k: batch[k].clone() for k in BATCH_KEYS if k in batch}  # ordinary tensors
             mask = carrying_positions(batch)
             gathered = supervised_targets(batch["labels"])  # where a head under logits_to_keep ran
+            # Row and packed slot of each gathered position, in the row-major order the head saw them:
+            # a head's δ is [B, most supervised, vocab], not [B, T, vocab] (4.2 GB at T = 2,048 for a
+            # batch of 4 over Llama-3's 128,256 words, where the supervised positions may be a few).
+            rows, at = gathered.nonzero(as_tuple=True)
+            slot = (gathered.cumsum(dim=1) - 1)[rows, at]
+            packed = int(gathered.sum(dim=1).max()) if gathered.numel() else 0
 
             def dense(t: torch.Tensor, name: str) -> torch.Tensor:
                 # [B, T, f] masked, or a module that ran on the gathered supervised positions only
-                # ([n, f]) scattered back to [B, T, f]: every consumer then sees one layout.
+                # ([n, f]) packed to [B, most supervised, f]: every consumer sums over positions.
                 with torch.autocast(t.device.type, enabled=False):
                     t = t.to(self.dtype)
                     if t.dim() == 3 and t.shape[:2] == mask.shape:
                         return t * mask[..., None]
-                    if t.dim() == 2 and t.shape[0] == int(gathered.sum()):
-                        out = t.new_zeros(*mask.shape, t.shape[1])
-                        out[gathered] = t
+                    if t.dim() == 2 and t.shape[0] == len(rows):
+                        out = t.new_zeros(mask.shape[0], packed, t.shape[1])
+                        out[rows, slot] = t
                         return out
                 raise GradianError(
                     f"module {name!r} saw input of shape {tuple(t.shape)}, not [batch, tokens, features]; leave it out of grads.module_filter"
@@ -200,7 +209,9 @@ class Eigenbases:
                 lam_g, q_g = t[f"{name}/G_diagonal"].double() / examples, a.new_empty(0)
             else:
                 lam_g, q_g = torch.linalg.eigh(t[f"{name}/G"].double() / examples)
-            bases[name] = tuple(v.to(dtype) for v in (q_a, lam_a.clamp_min(0), q_g, lam_g.clamp_min(0)))
+            # Contiguous, as a set read back from the index's cache is: eigh's eigenvectors come
+            # column-major, and a matmul with the other layout rounds differently in the last bit.
+            bases[name] = tuple(v.to(dtype).contiguous() for v in (q_a, lam_a.clamp_min(0), q_g, lam_g.clamp_min(0)))
         return cls(bases)
 
 
