@@ -8,12 +8,15 @@ One process, on the same synthetic rows (`common.synthetic_examples`, half of ea
     over every batch (EK-FAC); the factors' bytes in float32;
   - exact: `ExactPass` for Q queries (their gradients and the EK-FAC preconditioning), then
     `score_all` over every batch, in each contraction order; a query's directions' bytes.
+`--head` adds the output head as the second part that `query.precondition=auto` scores (its G
+factor diagonal; query/exact_scoring.py), to every step but the capture.
 Each timed step runs `--repeats` times, interleaved, and the median is kept; ratios are of CPU
 seconds (one torch thread), which the other jobs on the shared machine do not inflate as they do
 wall seconds.
 
     PYTHONPATH=. python -m benchmarks.perf.exact_pass --model smollm2 --rows 16 --queries 8
     PYTHONPATH=. python -m benchmarks.perf.exact_pass --model tiny --rows 64 --queries 8
+    PYTHONPATH=. python -m benchmarks.perf.exact_pass --model tiny --rows 64 --queries 8 --head
     PYTHONPATH=. python -m benchmarks.perf.exact_pass --smoke --out /tmp/x
 """
 
@@ -42,7 +45,20 @@ def child_args(args: argparse.Namespace) -> List[str]:
         f"--{k.replace('_', '-')}={v}"
         for k, v in vars(args).items()
         if k in ("model", "filter", "rows", "batch_size", "seq_len", "threads")
-    ]
+    ] + (["--head"] if args.head else [])
+
+
+def exact_modules(model, spec, head: bool) -> tuple:
+    """(modules by name, parts or None, the modules with a diagonal G): the filter's, and with
+    `head` the output head as a part of its own, as the exact pass's default runs them."""
+    from gradian_lightning.gradients.capture import select_modules
+    from gradian_lightning.query.exact_scoring import output_head
+
+    modules = select_modules(model, spec.module_filter)
+    if not head:
+        return modules, None, ()
+    name, module = output_head(model)
+    return {**modules, name: module}, [list(modules), [name]], (name,)
 
 
 def data(args: argparse.Namespace, vocab: int) -> tuple:
@@ -70,8 +86,13 @@ def memory_child(args: argparse.Namespace) -> None:
     model = load_model(args.model)
     batches, queries = data(args, model.config.vocab_size)
     spec = IndexSpec(module_filter=FILTERS[args.filter])
+    modules, parts, _ = exact_modules(model, spec, args.head)
     made = {}
-    prepare = peak_rss_rise(lambda: made.setdefault("exact", ExactPass(model, spec, queries, order=args.order)))
+    prepare = peak_rss_rise(
+        lambda: made.setdefault(
+            "exact", ExactPass(model, spec, queries, order=args.order, modules=modules, parts=parts)
+        )
+    )
     score = peak_rss_rise(lambda: made["exact"].score_all(batches, args.rows))
     emit({"prepare": prepare, "score": score})
 
@@ -86,6 +107,9 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--head", action="store_true", help="the output head as a second part, as the default exact pass"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, 4 short rows, 2 queries: seconds")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--order", default="tokens", help=argparse.SUPPRESS)
@@ -108,7 +132,8 @@ def main() -> None:
     batches, queries = data(args, model.config.vocab_size)
     spec = IndexSpec(module_filter=FILTERS[args.filter])
     rows = GradientRows(model, spec)
-    fit = FactorFit(model, spec)
+    modules, parts, diagonal = exact_modules(model, spec, args.head)
+    fit = FactorFit(model, spec, modules, diagonal_g=diagonal)
     state: Dict[str, Any] = {}
 
     def fit_covariances() -> None:
@@ -123,7 +148,7 @@ def main() -> None:
         state["factors"] = Factors(state["bases"], total)
 
     def prepare() -> None:
-        state["exact"] = ExactPass(model, spec, queries, state["factors"], damping=0.1)
+        state["exact"] = ExactPass(model, spec, queries, state["factors"], damping=0.1, modules=modules, parts=parts)
 
     steps: Dict[str, Callable[[], Any]] = {
         "capture (GradientRows, k = 32)": lambda: [rows(b) for b in batches],
@@ -159,9 +184,10 @@ def main() -> None:
         wall, cpu = statistics.median(w for w, _ in t), statistics.median(c for _, c in t)
         table_rows.append([name, f"{wall:.2f}", f"{cpu:.2f}", f"{cpu / capture:.2f}"])
     factors, exact = state["factors"], state["exact"]
-    params = sum(m.weight.numel() for m in rows.modules.values())
+    params = sum(m.weight.numel() for m in modules.values())
+    head = ", and the output head as a second part (G diagonal)" if args.head else ""
     text = (
-        f"{args.model}, module filter {args.filter} ({len(rows.modules)} modules, {params:,} weights), "
+        f"{args.model}, module filter {args.filter}{head} ({len(modules)} modules, {params:,} weights), "
         f"{args.rows} rows of {args.seq_len} tokens (half supervised) in batches of {args.batch_size}, "
         f"{args.queries} queries, float32 on the CPU, {args.threads} thread(s); median of {args.repeats}. "
         f"Factors (Q_A, Q_G, λ_A, λ_G, Λ): {fmt_bytes(factors.nbytes())}. "
@@ -172,7 +198,7 @@ def main() -> None:
         + "."
     )
     write_result(
-        "exact_pass" if args.smoke else f"exact_pass.{args.model}",
+        "exact_pass" if args.smoke else f"exact_pass.{args.model}" + ("-head" if args.head else ""),
         text,
         [{"title": "", "header": ["step", "wall s", "CPU s", "CPU ÷ capture"], "rows": table_rows}],
         out=args.out,
