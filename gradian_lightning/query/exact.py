@@ -11,15 +11,16 @@ Per selected module (weight [out, in], gradients in that orientation; gradients/
 
 Parts (`parts`): the modules may be split into parts, each scored as its own cosine (norms over
 that part's modules only, an unrolling's Ē that part's own) and the parts' cosines averaged, so
-that each part weighs the same whatever its gradients' size and a row's score with itself is 1. query.precondition=auto makes the output
-head a second part beside the index's modules (exact_scoring.py): in one whole-row cosine its larger
-gradients drowned the MLP's (benchmarks/studies/lds_sets/README.md, "the output head's gradient
-against BM25"). One part (the default) is the whole-row cosine.
+that each part weighs the same whatever its gradients' size and a row's score with itself is 1.
+query.precondition=auto makes the output head a second part beside the index's modules
+(exact_scoring.py): in one whole-row cosine its larger gradients drowned the MLP's
+(benchmarks/studies/lds_sets/README.md, "the output head's gradient against BM25"). One part (the
+default) is the whole-row cosine.
 
 Units: the inner product is in nats² per squared weight unit, as the index's exact rows; an
 influence score g_qᵀ (H + λ I)⁻¹ g_n has H in those units too (a second moment of gradients, per
 example), so it is a pure number; `cosine` is the score over ‖g_q‖ ‖G_n‖, both norms over all
-modules together (whole-row cosine) and, with factors, in the preconditioner's metric
+modules of a part together (with one part, the whole-row cosine) and, with factors, in the preconditioner's metric
 ‖g‖²_f = ⟨g, f(H) g⟩ (the cosine of f(H)^½ g_q and f(H)^½ G_n), also a pure number.
 ‖G_n‖² = Σ_modules Σ_t Σ_s (δ_t·δ_s)(x_t·x_s) is computed in the same factored form.
 

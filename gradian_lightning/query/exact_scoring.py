@@ -48,18 +48,17 @@ AUTO_HORIZON_TRAJECTORY = 10.0
 AUTO_COSINE = True  # query.score=auto: each checkpoint's scores as a cosine in the factors' metric
 # precondition=auto adds the output head as a second part (query/exact.py), its G factor diagonal
 # (gradients/factors.py), its cosine averaged with the index modules'. On the fact sets the head's
-# preconditioned gradient is the strongest single part (an IDF learnt from the softmax: +0.564
-# against +0.480 on facts-N256 with 96 queries, 3.2 standard errors above BM25 where the MLP alone is
-# 1.2 below), at no cost in raw LDS on any set; in one whole-row cosine with the MLP its larger
-# gradients drowned the MLP's on `format` (benchmarks/studies/lds_sets/README.md, "the output
-# head's gradient against BM25").
+# preconditioned gradient is the strongest single part (an IDF learnt from the softmax): +0.559
+# against +0.480 on facts-N256 with 96 queries, 2.9 standard errors above BM25 where the MLP alone
+# is 1.2 below, and +0.06 to +0.14 on the other sets but `format` (-0.005, within its noise); in one
+# whole-row cosine with the MLP its larger gradients drowned the MLP's on `format`
+# (benchmarks/studies/lds_sets/README.md, "the output head in the product's default").
 AUTO_HEAD = True
 # Bytes of query directions (one [out, in] matrix per module and query) one pass over the training
 # rows holds: more queries than fit are scored in several passes.
 QUERY_BYTES = 2**31
-FACTOR_SET_FORMAT = (
-    2  # bump when what a factor set holds changes: older sets are then refitted (2: the head's diagonal G)
-)
+# Bump when what a factor set holds changes: older sets are then refitted (2: the head's diagonal G).
+FACTOR_SET_FORMAT = 2
 # The exact pass's fixed cost a checkpoint (the factors' eigendecompositions, the queries' full
 # gradients and directions), in supervised tokens of scoring it is worth: ~100 s against ~90 ms a
 # token on SmolLM2-135M's MLP (benchmarks/RESULTS.md §13). query.method=auto counts it, so a model
