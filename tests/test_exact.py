@@ -247,36 +247,19 @@ def test_the_head_as_a_second_part_equals_the_dense_per_part_cosines(tokenizer, 
     factors = fit_factors(
         model, SPEC, batches(tokenizer), ekfac=False, modules=modules, dtype=torch.float64, diagonal_g={"lm_head"}
     )
-    expected = dense_part_cosines(model, tokenizer, factors, parts, horizon=30.0)
-    exact = ExactPass(
-        model,
-        SPEC,
-        query_batch(tokenizer),
-        factors,
-        horizon=30.0,
-        cosine=True,
-        order=order,
-        modules=modules,
-        parts=parts,
-        dtype=torch.float64,
-    )
-    scores = exact.score_all(batches(tokenizer), len(ROWS))
-    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
-    assert scores.abs().max() <= 1 + 1e-9  # the mean of two cosines
+
+    def scores(parts):
+        exact = ExactPass(
+            model, SPEC, query_batch(tokenizer), factors, horizon=30.0, cosine=True, order=order,
+            modules=modules, parts=parts, dtype=torch.float64,
+        )  # fmt: skip
+        return exact.score_all(batches(tokenizer), len(ROWS))
+
+    got = scores(parts)
+    torch.testing.assert_close(got, dense_part_cosines(model, tokenizer, factors, parts, 30.0), rtol=1e-6, atol=1e-6)
+    assert got.abs().max() <= 1 + 1e-9  # the mean of two cosines
     # One part of every module is the whole-row cosine, with Ē over every module.
-    whole = ExactPass(
-        model,
-        SPEC,
-        query_batch(tokenizer),
-        factors,
-        horizon=30.0,
-        cosine=True,
-        order=order,
-        modules=modules,
-        dtype=torch.float64,
-    ).score_all(batches(tokenizer), len(ROWS))
-    torch.testing.assert_close(
-        whole, dense_part_cosines(model, tokenizer, factors, [layers + ["lm_head"]], 30.0), rtol=1e-6, atol=1e-6
-    )
+    whole = dense_part_cosines(model, tokenizer, factors, [layers + ["lm_head"]], 30.0)
+    torch.testing.assert_close(scores(None), whole, rtol=1e-6, atol=1e-6)
     with pytest.raises(GradianError, match="into parts"):
         ExactPass(model, SPEC, query_batch(tokenizer), factors, horizon=30.0, modules=modules, parts=[layers])
