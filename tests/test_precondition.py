@@ -269,7 +269,13 @@ def test_fisher_without_stored_statistics_still_equals_dense_float64(tmp_path):
 
 
 def test_ekfac_is_fisher_on_a_kronecker_second_moment_and_keeps_the_rows_variances_otherwise():
-    from gradian_lightning.index.statistics import kronecker_whitening_factor, whitening_factor
+    from gradian_lightning.index.statistics import basis_factor, kronecker_whitening_basis, whitening_basis
+
+    def whitening_factor(w, v, damping):  # (F + λI)^-½ multiplied out
+        return basis_factor(*whitening_basis(w, v, damping))
+
+    def kronecker_whitening_factor(w, v, damping):
+        return basis_factor(*kronecker_whitening_basis(w, v, damping))
 
     rng = np.random.default_rng(0)
     k = 4

@@ -215,13 +215,10 @@ class Eigenbases:
         return cls(bases)
 
 
-# Q_G of a module fitted with a diagonal G: the identity, held as no numbers.
-IDENTITY_NUMEL = 0
-
-
 def in_output_basis(g: torch.Tensor, q_g: torch.Tensor) -> torch.Tensor:
-    """g [..., out] in the output eigenbasis: g Q_G, or g itself where Q_G is the identity (empty)."""
-    return g if q_g.numel() == IDENTITY_NUMEL else g @ q_g.to(g)
+    """g [..., out] in the output eigenbasis: g Q_G, or g itself where Q_G is the identity (a
+    module fitted with a diagonal G holds it as an empty tensor)."""
+    return g if q_g.numel() == 0 else g @ q_g.to(g)
 
 
 class Factors:
@@ -282,7 +279,7 @@ class Factors:
         Q_G ((Q_Gᵀ g Q_A) ⊙ f(E)) Q_Aᵀ, f(E) the `weights` [out, in]."""
         q_a, _, q_g, _ = self.bases[name]
         g = g.to(q_a.dtype)
-        if q_g.numel() == IDENTITY_NUMEL:  # a diagonal G: the output side needs no rotation
+        if q_g.numel() == 0:  # a diagonal G (Q_G the identity): the output side needs no rotation
             return ((g @ q_a) * self.weights(name, damping, horizon)) @ q_a.T
         return q_g @ ((q_g.T @ g @ q_a) * self.weights(name, damping, horizon)) @ q_a.T
 

@@ -16,8 +16,8 @@
 Why r = min(rows, s) vectors (the thin form): F is a mean over rows, so its rank is at most the
 rows counted, and below s rows eigenvalues r.. are exactly 0 and their vectors are any basis of
 the rest of the space, where (F + λI)^-½ is λ^-½: (F + λI)^-½ = V diag((w + λ)^-½) Vᵀ + λ^-½ (I − V Vᵀ)
-holds all of it (`whitening_factor`), and so do EK-FAC's partial traces and corrected eigenvalues
-(`kronecker_whitening_factor`), which are sums over V's columns. So the statistics of N < s rows are
+holds all of it (`whitening_basis`), and so do EK-FAC's partial traces and corrected eigenvalues
+(`kronecker_whitening_basis`), which are sums over V's columns. So the statistics of N < s rows are
 4·M·s·N bytes, 4× the int8 rows themselves, not the 377 MB of s vectors a module at SmolLM2's MLP
 at k = 32. Up to s/2 rows (SVD_MAX_ROWS) the close takes a thin SVD of each module's [N, s] rows
 (`_thin_eigen`, O(N²s + N³)) instead of summing an s×s gram and solving it (O(Ns² + s³)); nearer
@@ -126,16 +126,18 @@ def basis_factor(basis: np.ndarray, weights: np.ndarray, rest: float) -> np.ndar
     return factor.astype(np.float32)
 
 
-def whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
-    """(F + λI)^-½ [s, s] float32 of one module (`whitening_basis`, multiplied out)."""
-    return basis_factor(*whitening_basis(eigvals, eigvecs, damping))
-
-
 def kronecker_whitening_basis(
     eigvals: np.ndarray, eigvecs: np.ndarray, damping: float
 ) -> Tuple[np.ndarray, np.ndarray, float]:
-    """(F̃ + λI)^-½ as `whitening_basis` gives (F + λI)^-½: (B, d, c), here (Q, (q F q + λ)^-½, 0)
-    of `kronecker_whitening_factor`."""
+    """(F̃ + λI)^-½ of one module as `whitening_basis` gives (F + λI)^-½: (B, d, c), here
+    (Q, (qᵀ F q + λ)^-½ for each column q of Q, 0). F̃ = F kept only on the diagonal of a Kronecker
+    eigenbasis Q = Q_out ⊗ Q_in (EK-FAC, in the projected space): Q_out and Q_in are the eigenvectors
+    of F's two partial traces (the k×k second moments of a row block's rows and of its columns,
+    a [k_out, k_in] block being stored row-major), and F̃'s eigenvalues are F's own variances along
+    Q (eigenvalue correction). k² numbers per module instead of fisher's k⁴, so few rows estimate them
+    well; λ = `damping` × their mean, which is F's mean eigenvalue. eigvals [s], eigvecs [s, r] as
+    `whitening_basis` takes them: both the partial traces and the variances are sums over F's
+    eigenpairs, and the r..s-1 ones are 0."""
     size, rank = eigvecs.shape
     k = int(round(size**0.5))
     level = eigvals.mean()
@@ -148,31 +150,6 @@ def kronecker_whitening_basis(
     q = np.kron(q_out, q_in)
     corrected = ((eigvecs.T @ q) ** 2 * w[:, None]).sum(0)  # qᵀ F q for every column q of Q
     return q, 1.0 / np.sqrt(corrected + damping * level), 0.0
-
-
-def kronecker_whitening_factor(eigvals: np.ndarray, eigvecs: np.ndarray, damping: float) -> np.ndarray:
-    """(F̃ + λI)^-½ [s, s] float32 of one module, F̃ = F kept only on the diagonal of a Kronecker
-    eigenbasis Q = Q_out ⊗ Q_in (EK-FAC, in the projected space): Q_out and Q_in are the eigenvectors
-    of F's two partial traces (the k×k second moments of a row block's rows and of its columns,
-    a [k_out, k_in] block being stored row-major), and F̃'s eigenvalues are F's own variances along
-    Q (eigenvalue correction). k² numbers per module instead of fisher's k⁴, so few rows estimate them
-    well; λ = `damping` × their mean, which is F's mean eigenvalue. eigvals [s], eigvecs [s, r] as
-    `whitening_factor` takes them: both the partial traces and the variances are sums over F's
-    eigenpairs, and the r..s-1 ones are 0."""
-    return basis_factor(*kronecker_whitening_basis(eigvals, eigvecs, damping))
-
-
-def whitening_factors(eigvals: np.ndarray, eigvecs: Any, damping: float, kronecker: bool = False) -> np.ndarray:
-    """`whitening_factor` (`kronecker`: `kronecker_whitening_factor`) of every module: [M, s, s]
-    float32 from eigvals [M, s] and eigvecs [M, s, r] (an array, or the stored zarr array)."""
-    modules, size = eigvals.shape
-    factors = np.empty((modules, size, size), dtype=np.float32)
-    # One module at a time: the temporaries are one [s, s] block, and stored eigenvectors are read
-    # a module at a time, not as another [M, s, s] float64 array (755 MB for the MLP at k = 32).
-    factor = kronecker_whitening_factor if kronecker else whitening_factor
-    for m in range(modules):
-        factors[m] = factor(eigvals[m], np.asarray(eigvecs[m], dtype=np.float64), damping)
-    return factors
 
 
 def whiten(rows: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:

@@ -388,7 +388,7 @@ class IndexWriter:
                     stored[sel],
                     None if scales is None else scales[sel],
                     [ids[j] for j in sel],
-                    tuple(np.array(column[sel]) for column in columns),
+                    tuple(column[sel] for column in columns),  # fancy indexing copies
                 )
             )
         with self._disk_full_is_one_line():

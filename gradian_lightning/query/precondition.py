@@ -6,7 +6,7 @@ training rows alike before they are scored. One class per kind; the `Scorer` (sc
     fisher  `Fisher`: each module block R_m multiplied by (F_m + λI)^-½, F_m = mean of R_mᵀR_m (k²×k²)
     ekfac   `EKFAC`: the same with F_m kept only on the diagonal of the Kronecker basis of its two
             partial traces (eigenvalue-corrected Kronecker factors, in the projected space): k²
-            numbers a module instead of k⁴, so few rows estimate it (statistics.kronecker_whitening_factor)
+            numbers a module instead of k⁴, so few rows estimate it (statistics.kronecker_whitening_basis)
     auto    `auto_preconditioner`: fisher where the index keeps F (equal blocks of k² <= 1024) from
             at least k² counted rows, ekfac where it keeps F from fewer, diag where it keeps no F
 
