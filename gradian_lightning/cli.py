@@ -86,6 +86,14 @@ def _print_rows_summary(summary: dict, head: str, indent: str) -> None:
         print(f"{indent}rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
+# The settings each command needs, the recipes' own `require`: an unset one is named before torch imports.
+REQUIRED_KEYS = {
+    "index": ("model.name_or_path", "data.train"),
+    "plan": ("model.name_or_path", "data.train"),
+    "query": ("model.name_or_path", "query.data"),
+    "report": ("model.name_or_path", "query.data", "query.output"),
+    "validate": ("model.name_or_path", "data.train", "query.data"),
+}
 # The paths each command reads, checked on the disk before torch imports (check_before_torch).
 DATA_KEYS = {
     "index": ("data.train",),
@@ -98,13 +106,14 @@ DATA_KEYS = {
 
 def check_before_torch(cfg: Any, command: str) -> None:
     """The checks that need only the settings and the disk, made before torch, Lightning and
-    transformers import (seconds of start-up): the model (a folder that is not there, a file), the
-    data paths `command` reads, and `index.path` (a URL without its filesystem; for index, a file
-    where its folder should be; for query and report, which only read it, a local path with nothing
-    there). A setting that is unset is left to the recipe's `require`; what needs a model or a
-    parsed file is checked by the recipe."""
+    transformers import (seconds of start-up): the settings `command` needs (unset), the model (a
+    folder that is not there, a file), the data paths `command` reads, and `index.path` (a URL
+    without its filesystem; for index, a file where its folder should be; for query and report,
+    which only read it, a local path with nothing there). What needs a model or a parsed file is
+    checked by the recipe."""
     from omegaconf import OmegaConf
 
+    from gradian_lightning.config import require
     from gradian_lightning.data_sources import check_source_path
     from gradian_lightning.errors import ConfigError
     from gradian_lightning.hub import check_model_source
@@ -114,6 +123,7 @@ def check_before_torch(cfg: Any, command: str) -> None:
         value = OmegaConf.select(cfg, key, throw_on_missing=False)  # None when unset or "???"
         return None if value is None else str(value)
 
+    require(cfg, *REQUIRED_KEYS[command])
     if given("model.name_or_path") and not given("model.checkpoints"):
         check_model_source(given("model.name_or_path"))
     for key in DATA_KEYS.get(command, ()):

@@ -270,6 +270,11 @@ def test_a_run_prints_gradians_lines_and_nothing_else(tmp_path, saved_model):
             ["validate", "data.train=rows.jsonl", "query.data=gone.jsonl"],
             "'gone.jsonl' does not exist; check query.data",
         ),
+        # A required setting left unset is a settings error too: named before any heavy import.
+        (["query", "model.name_or_path=???", "query.data=rows.jsonl"], "setting 'model.name_or_path' is required"),
+        (["plan", "model.name_or_path=???"], "setting 'model.name_or_path' is required"),
+        (["report", "query.data=rows.jsonl"], "setting 'query.output' is required"),
+        (["validate", "data.train=rows.jsonl"], "setting 'query.data' is required"),
     ],
 )
 def test_settings_and_file_errors_come_before_torch_imports(tmp_path, argv, expected):
