@@ -194,6 +194,37 @@ def test_halves_merged_equal_the_whole(tokenizer):
     assert again.kind == "ekfac" and again.nbytes() == factors.nbytes()
 
 
+def test_sums_added_in_place_equal_sums_added_and_consume_frees_them(tokenizer):
+    # fit_factors adds each batch into one running FactorSums (`into=`) and consumes it: the same
+    # numbers as a new sum per batch, with one set of sums held instead of three.
+    model = tiny(tokenizer)
+    parts = batches(tokenizer, size=2)
+    fit = FactorFit(model, SPEC, dtype=torch.float64, diagonal_g=["model.layers.1.mlp.down_proj"])
+    added = sum((fit.covariances(b) for b in parts[1:]), fit.covariances(parts[0]))
+    running = None
+    for b in parts:
+        running = fit.covariances(b, into=running)
+    assert set(running.tensors) == set(added.tensors)
+    for key, value in added.tensors.items():
+        assert torch.equal(running.tensors[key], value), key
+    expected = Eigenbases.from_sums(added, torch.float64)
+    consumed = Eigenbases.from_sums(running, torch.float64, consume=True)
+    assert set(running.tensors) == {"examples"}  # every module's sums freed as its bases were made
+    for name, base in expected.bases.items():
+        for got, want in zip(consumed.bases[name], base):
+            assert torch.equal(got, want), name
+    lambdas = None
+    for b in parts:
+        lambdas = fit.lambdas(b, expected, into=lambdas)
+    summed = sum((fit.lambdas(b, expected) for b in parts[1:]), fit.lambdas(parts[0], expected))
+    for key, value in summed.tensors.items():
+        torch.testing.assert_close(lambdas.tensors[key], value, rtol=1e-12, atol=0)
+    # fit_factors, which runs the in-place path, gives the factors of the summed one.
+    fitted = fit_factors(model, SPEC, parts, dtype=torch.float64, diagonal_g=["model.layers.1.mlp.down_proj"])
+    for name, eigenvalues in Factors(expected, summed).eigenvalues.items():
+        torch.testing.assert_close(fitted.eigenvalues[name], eigenvalues, rtol=1e-12, atol=0)
+
+
 def test_fit_leaves_grad_modes_and_rng_alone(tokenizer):
     model = tiny(tokenizer).train()
     model.model.layers[1].eval()

@@ -32,7 +32,11 @@ Decisions (the issue left them open):
 Fitting streams batches through two passes with bounded memory: `FactorFit.covariances` (A, G
 sums, [in, in] + [out, out] per module), then `Eigenbases.from_sums`, then `FactorFit.lambdas`
 (Λ sums, [out, in] per module, needs the bases). Each pass returns `FactorSums`, plain tensors
-that add (`a + b`): batches, and ranks (an all-reduce of `.tensors`), sum into one.
+that add (`a + b`): batches, and ranks (an all-reduce of `.tensors`), sum into one. A pass over
+many batches adds each batch's products into one running `FactorSums` in place (`into=`), and
+`from_sums(..., consume=True)` frees each module's sums as its bases are made: the sums of
+SmolLM2-135M's MLP are 0.97 GB in float32, and a new sum per batch (`total + part`) held three
+such sets at once, which glibc then kept (benchmarks/RESULTS.md §13).
 """
 
 from __future__ import annotations
@@ -185,6 +189,14 @@ class FactorSums:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def _accumulate(tensors: Dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    # In place into a running sum (its own tensor: a value shared by several keys is cloned first).
+    if key in tensors:
+        tensors[key] += value.to(tensors[key].device)
+    else:
+        tensors[key] = value.clone()
+
+
 class Eigenbases:
     """Each module's A = Q_A diag(λ_A) Q_Aᵀ and G = Q_G diag(λ_G) Q_Gᵀ (module docstring).
 
@@ -197,9 +209,11 @@ class Eigenbases:
         self.bases = bases
 
     @classmethod
-    def from_sums(cls, sums: FactorSums, dtype: torch.dtype = torch.float32) -> "Eigenbases":
+    def from_sums(cls, sums: FactorSums, dtype: torch.dtype = torch.float32, consume: bool = False) -> "Eigenbases":
         """Decomposes A = Σ x xᵀ / positions and G = Σ δ δᵀ / examples in float64 (eigh of a
-        float32 matrix loses the small eigenvalues that the inverse weighs most)."""
+        float32 matrix loses the small eigenvalues that the inverse weighs most). With `consume`,
+        each module's sums are removed from `sums` once its bases are made, so the sums and the
+        bases are never both held whole."""
         t, bases = sums.tensors, {}
         examples = max(int(t["examples"]), 1)
         for name in [k[: -len("/A")] for k in t if k.endswith("/A")]:
@@ -209,6 +223,9 @@ class Eigenbases:
                 lam_g, q_g = t[f"{name}/G_diagonal"].double() / examples, a.new_empty(0)
             else:
                 lam_g, q_g = torch.linalg.eigh(t[f"{name}/G"].double() / examples)
+            if consume:
+                for part in ("A", "G", "G_diagonal", "positions"):
+                    t.pop(f"{name}/{part}", None)
             # Contiguous, as a set read back from the index's cache is: eigh's eigenvectors come
             # column-major, and a matmul with the other layout rounds differently in the last bit.
             bases[name] = tuple(v.to(dtype).contiguous() for v in (q_a, lam_a.clamp_min(0), q_g, lam_g.clamp_min(0)))
@@ -329,40 +346,53 @@ class FactorFit:
         self.tokens = TokenPass(model, spec, modules, dtype)
         self.diagonal_g = frozenset(diagonal_g)  # modules whose G is summed as its diagonal only
 
-    def covariances(self, batch: Dict[str, torch.Tensor], forward_context=None) -> FactorSums:
-        """Σ x xᵀ, Σ δ δᵀ and the position count of every module, and the example count, of one batch."""
-        sums = {"examples": supervised_targets(batch["labels"]).any(dim=1).sum()}
+    def covariances(
+        self, batch: Dict[str, torch.Tensor], forward_context=None, into: Optional[FactorSums] = None
+    ) -> FactorSums:
+        """Σ x xᵀ, Σ δ δᵀ and the position count of every module, and the example count, of one
+        batch; with `into`, added to its sums in place (and `into` returned)."""
+        sums = {} if into is None else into.tensors
+        _accumulate(sums, "examples", supervised_targets(batch["labels"]).any(dim=1).sum())
         positions = carrying_positions(batch).sum()
 
         def step(name: str, x: torch.Tensor, g: torch.Tensor) -> None:
             x, g = x.flatten(0, 1), g.flatten(0, 1)  # zero rows (masked positions) add nothing
-            sums[f"{name}/A"] = x.T @ x
+            _accumulate(sums, f"{name}/A", x.T @ x)
             if name in self.diagonal_g:
-                sums[f"{name}/G_diagonal"] = g.square().sum(dim=0)
+                _accumulate(sums, f"{name}/G_diagonal", g.square().sum(dim=0))
             else:
-                sums[f"{name}/G"] = g.T @ g
-            sums[f"{name}/positions"] = positions
+                _accumulate(sums, f"{name}/G", g.T @ g)
+            _accumulate(sums, f"{name}/positions", positions)
 
         self.tokens.run(batch, step, forward_context)
-        return FactorSums(sums)
+        return FactorSums(sums) if into is None else into
 
-    def lambdas(self, batch: Dict[str, torch.Tensor], bases: Eigenbases, forward_context=None) -> FactorSums:
-        """Σ_n (Q_Gᵀ G_n Q_A)² [out, in] of every module over one batch's examples, and their count.
+    def lambdas(
+        self,
+        batch: Dict[str, torch.Tensor],
+        bases: Eigenbases,
+        forward_context=None,
+        into: Optional[FactorSums] = None,
+    ) -> FactorSums:
+        """Σ_n (Q_Gᵀ G_n Q_A)² [out, in] of every module over one batch's examples, and their
+        count; with `into`, added to its sums in place (and `into` returned).
 
         G_n is made in the eigenbases a few examples at a time ([c, out, in], c·out·in at most
         `CHUNK_ELEMENTS`): Q_Gᵀ G_n Q_A = Σ_t (Q_Gᵀ δ_t)(Q_Aᵀ x_t)ᵀ."""
-        sums = {"examples": supervised_targets(batch["labels"]).any(dim=1).sum()}
+        sums = {} if into is None else into.tensors
+        _accumulate(sums, "examples", supervised_targets(batch["labels"]).any(dim=1).sum())
 
         def step(name: str, x: torch.Tensor, g: torch.Tensor) -> None:
             q_a, _, q_g, _ = bases.bases[name]
             x, g = x @ q_a.to(x), in_output_basis(g, q_g)  # [B, T, in], [B, T, out] in the eigenbases
-            total = x.new_zeros(g.shape[-1], x.shape[-1])
+            key = f"{name}/lambda"
+            if key not in sums:
+                sums[key] = x.new_zeros(g.shape[-1], x.shape[-1])
             for lo, hi in example_chunks(x.shape[0], g.shape[-1] * x.shape[-1]):
-                total += torch.bmm(g[lo:hi].transpose(1, 2), x[lo:hi]).square_().sum(dim=0)
-            sums[f"{name}/lambda"] = total
+                sums[key] += torch.bmm(g[lo:hi].transpose(1, 2), x[lo:hi]).square_().sum(dim=0)
 
         self.tokens.run(batch, step, forward_context)
-        return FactorSums(sums)
+        return FactorSums(sums) if into is None else into
 
 
 def example_chunks(batch_size: int, per_example: int) -> Iterable[tuple]:
@@ -387,15 +417,14 @@ def fit_factors(
     fit = FactorFit(model, spec, modules, dtype, diagonal_g)
     total = None
     for batch in batches:
-        part = fit.covariances(batch)
-        total = part if total is None else total + part
+        total = fit.covariances(batch, into=total)
     if total is None:
         raise GradianError("no batch to fit factors on; give at least one training row")
-    bases = Eigenbases.from_sums(total, dtype)
+    bases = Eigenbases.from_sums(total, dtype, consume=True)
+    del total
     if not ekfac:
         return Factors(bases)
     lambdas = None
     for batch in batches:
-        part = fit.lambdas(batch, bases)
-        lambdas = part if lambdas is None else lambdas + part
+        lambdas = fit.lambdas(batch, bases, into=lambdas)
     return Factors(bases, lambdas)
