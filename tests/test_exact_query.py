@@ -390,11 +390,30 @@ def test_queries_past_the_memory_budget_are_scored_in_several_passes(tmp_path, s
         passes.append(args[2]["input_ids"].shape[0])
         return real(*args, **kwargs)
 
+    trims = []
     monkeypatch.setattr(exact_scoring, "QUERY_BYTES", 1)
     monkeypatch.setattr(exact_scoring, "ExactPass", counted)
+    monkeypatch.setattr(exact_scoring, "return_freed_memory", lambda: trims.append(len(passes)))
     (apart,) = dense_scores(cfg, [spec])
     assert passes == [1] * len(QUERIES)
     _close(apart, together)
+    # Freed memory is handed back once a pass's directions are made and again once it is done.
+    assert trims == [n for n in range(1, len(QUERIES) + 1) for _ in range(2)]
+
+
+def test_returning_freed_memory_is_a_no_op_without_malloc_trim(monkeypatch):
+    import ctypes
+
+    import gradian_lightning.query.exact_scoring as exact_scoring
+
+    exact_scoring.return_freed_memory()  # glibc here: malloc_trim(0) runs
+    for missing in (OSError("no C library"), AttributeError("malloc_trim")):
+
+        def library(name, missing=missing):
+            raise missing
+
+        monkeypatch.setattr(ctypes, "CDLL", library)
+        assert exact_scoring.return_freed_memory() is None
 
 
 def test_an_index_that_cannot_keep_its_factors_warns_and_scores_the_same(tmp_path, saved_model, indexed, monkeypatch):

@@ -15,6 +15,7 @@ the checkpoints' scores with their weights, as the index path sums its scorers.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -329,6 +330,22 @@ def factors_from_arrays(arrays: Dict[str, np.ndarray], kind: str, device: torch.
     return Factors.from_state({k: torch.from_numpy(np.asarray(v)).to(device) for k, v in arrays.items()}, kind)
 
 
+def return_freed_memory() -> None:
+    """Hand the heap memory the process has freed back to the system (glibc's `malloc_trim(0)`).
+
+    Why: glibc keeps freed blocks below its mmap threshold for reuse, and the exact pass frees
+    gigabytes of them in tens-of-MB pieces (each query's raw gradients once preconditioned, each
+    group's directions), so its RSS would carry the sum of every phase's temporaries: on SmolLM2 up
+    to 3.3 GB of the 8.4 GiB peak was freed memory glibc kept (benchmarks/RESULTS.md §13). Called
+    between the pass's phases, never inside a batch. Where the C library has no `malloc_trim`
+    (macOS, musl) there is nothing to call and freed memory goes back as that allocator decides."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def queries_per_pass(modules: Dict[str, nn.Module]) -> int:
     """Queries whose directions (float32, one [out, in] per module) fit in `QUERY_BYTES`."""
     per_query = 4 * sum(int(m.weight.numel()) for m in modules.values())
@@ -365,6 +382,8 @@ def exact_scores(
             horizon=estimator.horizon,
             parts=parts,
         )
+        return_freed_memory()  # the raw gradients and preconditioning temporaries
         out.append(exact.score_all(batches, rows).float())
         del exact  # before the next group's directions are made: one group's held at a time
+        return_freed_memory()
     return torch.cat(out)

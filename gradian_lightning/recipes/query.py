@@ -40,6 +40,7 @@ from gradian_lightning.query.exact_scoring import (
     factor_set_name,
     factors_from_arrays,
     resolve_method,
+    return_freed_memory,
     run_settings_against_exact,
 )
 from gradian_lightning.query.rows import check_matches_index, query_gradients, tokenized_queries
@@ -345,6 +346,7 @@ def _factors(
     if stored is not None:
         return factors_from_arrays(stored, kind, fabric.device)
     factors = fit_factors(model, spec, batches, ekfac=kind == "ekfac", modules=modules, diagonal_g=diagonal_g)
+    return_freed_memory()  # the sums and the eigendecompositions' temporaries
     try:
         write_factor_set(str(index.path), name, key, factor_arrays(factors))
     except OSError as err:
