@@ -338,10 +338,10 @@ def return_freed_memory() -> None:
     group's directions), so its RSS would carry the sum of every phase's temporaries: on SmolLM2 up
     to 3.3 GB of the 8.4 GiB peak was freed memory glibc kept (benchmarks/RESULTS.md §13). Called
     between the pass's phases, never inside a batch. Where the C library has no `malloc_trim`
-    (macOS, musl) there is nothing to call and freed memory goes back as that allocator decides."""
+    (macOS, musl, Windows) there is nothing to call and freed memory goes back as that allocator decides."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no handle of the process itself
         return
     trim(0)
 
