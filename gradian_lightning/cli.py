@@ -86,14 +86,6 @@ def _print_rows_summary(summary: dict, head: str, indent: str) -> None:
         print(f"{indent}rows {what}: {len(found)}" + (f" -> rows {shown}" if found else ""))
 
 
-# The settings each command needs, the recipes' own `require`: an unset one is named before torch imports.
-REQUIRED_KEYS = {
-    "index": ("model.name_or_path", "data.train"),
-    "plan": ("model.name_or_path", "data.train"),
-    "query": ("model.name_or_path", "query.data"),
-    "report": ("model.name_or_path", "query.data", "query.output"),
-    "validate": ("model.name_or_path", "data.train", "query.data"),
-}
 # The paths each command reads, checked on the disk before torch imports (check_before_torch).
 DATA_KEYS = {
     "index": ("data.train",),
@@ -113,7 +105,7 @@ def check_before_torch(cfg: Any, command: str) -> None:
     checked by the recipe."""
     from omegaconf import OmegaConf
 
-    from gradian_lightning.config import require
+    from gradian_lightning.config import require_for
     from gradian_lightning.data_sources import check_source_path
     from gradian_lightning.errors import ConfigError
     from gradian_lightning.hub import check_model_source
@@ -123,7 +115,7 @@ def check_before_torch(cfg: Any, command: str) -> None:
         value = OmegaConf.select(cfg, key, throw_on_missing=False)  # None when unset or "???"
         return None if value is None else str(value)
 
-    require(cfg, *REQUIRED_KEYS[command])
+    require_for(cfg, command)  # an unset setting is named before torch imports too
     if given("model.name_or_path") and not given("model.checkpoints"):
         check_model_source(given("model.name_or_path"))
     for key in DATA_KEYS.get(command, ()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -298,6 +298,23 @@ def check_settings(cfg: DictConfig) -> None:
         scorers,
         "a list of dicts of query.* settings, e.g. [{precondition: none}, {score: inner}]",
     )
+
+
+# The settings each command needs. `gradian` checks them before torch imports (cli.py), the
+# recipes again for Python callers (`require_for`).
+REQUIRED_KEYS = {
+    "index": ("model.name_or_path", "data.train"),
+    "plan": ("model.name_or_path", "data.train"),
+    "query": ("model.name_or_path", "query.data"),
+    "report": ("model.name_or_path", "query.data", "query.output"),
+    "validate": ("model.name_or_path", "data.train", "query.data"),
+}
+
+
+def require_for(cfg: DictConfig, command: str, supplied: Tuple[str, ...] = ()) -> None:
+    """`require` of what `command` needs (`REQUIRED_KEYS`), less the keys a Python caller
+    `supplied` as objects instead (e.g. index's `train` for data.train)."""
+    require(cfg, *(k for k in REQUIRED_KEYS[command] if k not in supplied))
 
 
 def require(cfg: DictConfig, *keys: str) -> None:

@@ -171,15 +171,24 @@ def describe_model(model: nn.Module, name_or_path: Optional[str] = None) -> Dict
     compared against: class, resolved name (`name_or_path` when the model's config has none),
     vocabulary size, parameter dtype, and the output head's [out, in] where it is an nn.Linear
     (what query.method=auto counts of the exact pass's head, query/exact_scoring.py)."""
-    from torch import nn  # here: a model exists, so torch is imported already
-
     config = getattr(model, "config", None)
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = output_head(model)
     return {
         "class": type(model).__name__,
         "name_or_path": normalized_name(getattr(config, "_name_or_path", None) or name_or_path),
         "vocab_size": getattr(config, "vocab_size", None),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "head_features": [head.out_features, head.in_features] if isinstance(head, nn.Linear) else None,
+        "head_features": [head[1].out_features, head[1].in_features] if head is not None else None,
     }
+
+
+def output_head(model: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """(name, module) of the model's output head (`get_output_embeddings()`) where it is an
+    nn.Linear, else None."""
+    from torch import nn  # here: a model exists, so torch is imported already
+
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    return next(((name, m) for name, m in model.named_modules() if m is head), None)

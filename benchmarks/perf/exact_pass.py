@@ -52,7 +52,7 @@ def exact_modules(model, spec, head: bool) -> tuple:
     """(modules by name, parts or None, the modules with a diagonal G): the filter's, and with
     `head` the output head as a part of its own, as the exact pass's default runs them."""
     from gradian_lightning.gradients.capture import select_modules
-    from gradian_lightning.query.exact_scoring import output_head
+    from gradian_lightning.hub import output_head
 
     modules = select_modules(model, spec.module_filter)
     if not head:

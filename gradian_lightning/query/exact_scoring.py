@@ -28,6 +28,7 @@ from gradian_lightning.data import Example, TokenizedRows, collate
 from gradian_lightning.gradients.batch import BATCH_KEYS
 from gradian_lightning.gradients.factors import Factors
 from gradian_lightning.gradients.peft import unwrap_peft
+from gradian_lightning.hub import output_head
 from gradian_lightning.index.reader import IndexReader
 from gradian_lightning.query.exact import ExactPass
 from gradian_lightning.query.rows import check_matches_index
@@ -206,14 +207,23 @@ class ExactModules:
     head_note: str = ""
 
 
-def output_head(model: nn.Module) -> Optional[Tuple[str, nn.Module]]:
-    """(name, module) of the model's output head (`get_output_embeddings()`) where it is an
-    nn.Linear, else None."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Linear):
-        return None
-    return next(((name, m) for name, m in model.named_modules() if m is head), None)
+def head_part(
+    model: nn.Module, modules: Collection[str], spec: IndexSpec
+) -> Tuple[Optional[Tuple[str, nn.Module]], str]:
+    """(name, module) of the output head to score as a part of its own beside `modules`, and ""; or
+    None and why it cannot be one: no nn.Linear head, the head already among `modules`, or
+    grads.loss_chunk_tokens (the chunked loss runs the head outside its module)."""
+    found = output_head(model)
+    if found is None:
+        return None, "the output head is left out: the model has no nn.Linear output head"
+    if found[0] in modules:
+        return None, "the output head is one of the index's modules, in their one part"
+    if spec.loss_chunk_tokens is not None:
+        return (
+            None,
+            "the output head is left out: grads.loss_chunk_tokens runs it outside its module; set grads.loss_chunk_tokens=null to score it",
+        )
+    return found, ""
 
 
 def exact_modules(
@@ -237,20 +247,10 @@ def exact_modules(
     spec = replace(index.meta.spec, **memory)
     if not head:
         return ExactModules(modules, spec)
-    found = output_head(model)
+    found, note = head_part(model, modules, spec)
     if found is None:
-        return ExactModules(
-            modules, spec, head_note="the output head is left out: the model has no nn.Linear output head"
-        )
+        return ExactModules(modules, spec, head_note=note)
     name, module = found
-    if name in modules:
-        return ExactModules(modules, spec, head_note="the output head is one of the index's modules, in their one part")
-    if spec.loss_chunk_tokens is not None:
-        return ExactModules(
-            modules,
-            spec,
-            head_note="the output head is left out: grads.loss_chunk_tokens runs it outside its module; set grads.loss_chunk_tokens=null to score it",
-        )
     return ExactModules({**modules, name: module}, spec, [list(modules), [name]], (name,))
 
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from gradian_lightning.callback import GradientIndexer
-from gradian_lightning.config import require
+from gradian_lightning.config import require_for
 from gradian_lightning.data import IGNORE_INDEX, Fields, TokenizedRows, collate, tokenize_row
 from gradian_lightning.data_sources import describe_source, ids_of, open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError, GradianError
@@ -139,7 +139,7 @@ def run_index(
     `announce` (e.g. `print`) gets one line before the first batch: rows, modules, row width and
     the predicted size of the whole index, as `gradian plan` computes them.
     """
-    require(cfg, "model.name_or_path", *(() if train is not None else ("data.train",)))
+    require_for(cfg, "index", supplied=("data.train",) if train is not None else ())
     source = train if train is not None else cfg.data.train
     fields = Fields.from_config(cfg.data)
     rows = open_rows(source, fields)  # data mistakes fail before the model loads

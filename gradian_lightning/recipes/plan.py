@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradian_lightning.config import require
+from gradian_lightning.config import require_for
 from gradian_lightning.data import IGNORE_INDEX, Fields, TokenizedRows
 from gradian_lightning.data_sources import open_rows, streamed_rows
 from gradian_lightning.errors import ConfigError
@@ -42,7 +42,7 @@ from gradian_lightning.query.exact_scoring import (
     exact_cost,
     exact_estimator,
     factor_set_bytes,
-    output_head,
+    head_part,
     run_settings_against_exact,
 )
 from gradian_lightning.specs import STORAGE_DTYPES, IndexSpec, QuerySpec
@@ -294,8 +294,8 @@ def query_plan(cfg: DictConfig, model: torch.nn.Module, spec: IndexSpec, supervi
     selected = select_modules(model, list(spec.module_filter))
     shapes = [linear_features(m) for m in selected.values()]
     # The output head, where the estimator scores it as a part of its own (exact_modules' rule).
-    head = output_head(model) if exact_estimator(q, chosen).head and spec.loss_chunk_tokens is None else None
-    diagonal = [linear_features(head[1])] if head is not None and head[0] not in selected else []
+    head = head_part(model, selected, spec)[0] if exact_estimator(q, chosen).head else None
+    diagonal = [linear_features(head[1])] if head is not None else []
     weights = sum(o * i for o, i in shapes + diagonal)
     refused = run_settings_against_exact(cfg.query.engine, bool(cfg.query.token_scores))
     resolved, why = choose_method(q, supervised, chosen, weights, lambda: refused)
@@ -327,7 +327,7 @@ def make_plan(cfg: DictConfig, device_memory: Optional[int] = None) -> Dict[str,
     `device_memory` (bytes) defaults to the visible accelerator's memory, unless trainer.accelerator
     is cpu; without either, no fitting batch size is computed.
     """
-    require(cfg, "model.name_or_path", "data.train")
+    require_for(cfg, "plan")
     fields = Fields.from_config(cfg.data)
     rows = streamed_rows(open_rows(cfg.data.train, fields))  # read forward, as gradian index reads it
     tokenizer, config = load_tokenizer_and_config(cfg.model)

@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from gradian_lightning.config import is_given, require
+from gradian_lightning.config import is_given, require_for
 from gradian_lightning.data import Fields, TokenizedRows
 from gradian_lightning.data_sources import indexed_rows, open_rows
 from gradian_lightning.errors import ConfigError
@@ -378,7 +378,7 @@ def dense_scores(cfg: Any, scorings: Sequence[QuerySpec]) -> List[np.ndarray]:
     the index (`score_all`; NaN for rows never ranked). The query rows are made once, at every
     checkpoint any of the index-path scorings sums, and each such scoring is one streamed pass over
     the index; a query.method=exact scoring is its own exact pass (`exact_dense_scores`)."""
-    require(cfg, "model.name_or_path", "query.data")
+    require_for(cfg, "query")
     index, spec, given = open_for_query(cfg)
     queries = read_queries(cfg)
     scorings = [resolve_scoring(cfg, index, q)[0] for q in scorings]
@@ -417,7 +417,7 @@ def run_query(cfg: Any, queries: Any = None, train: Any = None) -> Dict[str, Any
     "device": where scoring ran}. `train`: the Python `datasets.Dataset` an index was built from,
     for its row texts.
     """
-    require(cfg, "model.name_or_path", *(() if queries is not None else ("query.data",)))
+    require_for(cfg, "query", supplied=("query.data",) if queries is not None else ())
     if cfg.query.output:
         check_writable(cfg.query.output)
     queries = read_queries(cfg, queries)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from gradian_lightning.config import require
+from gradian_lightning.config import require_for
 from gradian_lightning.data import Fields, row_snippet
 from gradian_lightning.data_sources import indexed_rows
 from gradian_lightning.errors import ConfigError
@@ -141,7 +141,7 @@ def run_report(cfg: Any) -> Path:
 
     The query rows are made once per checkpoint; every row's score (`score_all`), each summed
     checkpoint's weighted share and the token terms of the shown rows all come from them."""
-    require(cfg, "model.name_or_path", "query.data", "query.output")
+    require_for(cfg, "report")
     results_path = Path(cfg.query.output)
     if not results_path.is_file():
         raise ConfigError(

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
-from gradian_lightning.config import check_settings, require
+from gradian_lightning.config import check_settings, require_for
 from gradian_lightning.data import Fields
 from gradian_lightning.data_sources import fingerprint_of, open_rows
 from gradian_lightning.errors import ConfigError, GradianError, MissingExtraError
@@ -79,7 +79,7 @@ def run_validate(
     `lightning.Trainer` (default: `trainer.accelerator` and `trainer.precision`, one device).
     Finished training runs are kept on disk; a rerun with the same settings resumes.
     """
-    require(cfg, "model.name_or_path", "data.train", "query.data")
+    require_for(cfg, "validate")
     v, g = cfg.validate, cfg.grads
     fields = Fields.from_config(cfg.data)
     # Rows by position from the memory-mapped source; the queries, a small set, as dicts.
